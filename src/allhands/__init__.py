@@ -1,0 +1,41 @@
+"""allhands: one model, trained by many processes and machines at once, on torch.distributed.
+
+Python API::
+
+    import allhands
+    cfg = allhands.load_config("job.toml", ["optim.lr=1e-3"])
+    allhands.train(cfg, model=build_model, data=build_dataset, loss=loss_fn)
+
+Run a script that calls ``train`` under ``allhands launch --nproc N script.py`` for N workers;
+called without a launcher it trains in this process as a single worker.
+"""
+
+from allhands.config import Config, load_config, validate
+from allhands.errors import AllhandsError, CheckpointError, ConfigError, DataError, LaunchError
+
+__version__ = "0.1.0"
+
+
+def train(config: Config | None = None, *, model=None, data=None, loss=None, resume: str | None = None):
+    """Train ``model(config)`` on ``data(config)`` with ``loss(output, target)``; returns the last
+    step's metrics on every rank.
+
+    ``model``: builds a plain single-device ``nn.Module`` (default: the reference GPT).
+    ``data``: returns a map-style dataset of ``(input, target)`` items, or ``(train, val)``
+    (default: token shards at ``config.data.path``, or the embedded corpus).
+    ``loss``: ``(output, target) -> scalar`` (default: next-token cross entropy).
+    """
+    from allhands.launch import resolve_run, run_training, worker_env
+    from allhands.trainer import Job
+
+    cfg = config if config is not None else Config()
+    env = worker_env()
+    if env.world_size > 1 and not (cfg.run.dir or resume):
+        raise ConfigError("run.dir: set it when training under a launcher, so that every worker "
+                          "writes to the same run directory")
+    cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0)
+    return run_training(cfg, Job(model=model, data=data, loss=loss))
+
+
+__all__ = ["AllhandsError", "CheckpointError", "Config", "ConfigError", "DataError", "LaunchError",
+           "__version__", "load_config", "train", "validate"]

@@ -1,0 +1,164 @@
+"""The ``allhands`` command: parses, validates and hands over; no training logic here.
+
+Exit codes: 0 success, 1 a failed job (a worker, a checkpoint, a port), 2 invalid input
+(config, arguments) detected before any worker started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from allhands.config import load_config, to_toml, validate
+from allhands.errors import AllhandsError, ConfigError
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workers and nodes")
+    g.add_argument("--nproc", type=int, default=0,
+                   help="worker processes on this node (default: one per GPU, or 2 on CPU)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node's rank; node 0 hosts the rendezvous")
+    g.add_argument("--rdzv-endpoint", default="",
+                   help="HOST:PORT of the c10d rendezvous on node 0 (multi-node)")
+    g.add_argument("--local-addr", default="",
+                   help="this node's address as the other nodes reach it (multi-node)")
+    g.add_argument("--port", type=int, default=0,
+                   help="single-node rendezvous port on 127.0.0.1 (default: a free one)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers this many times after a failure (default 0)")
+
+
+def _spec(args: argparse.Namespace):
+    from allhands.launch import LaunchSpec
+
+    return LaunchSpec(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, local_addr=args.local_addr, port=args.port,
+                      max_restarts=args.max_restarts)
+
+
+def _config_from(args: argparse.Namespace):
+    """--resume RUN_DIR takes the run's own resolved config; --set still overrides it."""
+    path = args.config
+    if getattr(args, "resume", None):
+        resolved = Path(args.resume) / "config.resolved.toml"
+        if not resolved.is_file():
+            raise ConfigError(f"--resume: {args.resume!r} has no config.resolved.toml; "
+                              f"pass a run directory made by `allhands train`")
+        if path:
+            raise ConfigError("--resume: takes the run's own config; drop CONFIG or use --set")
+        path = resolved
+    return load_config(path, args.set)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from allhands.launch import train_job
+
+    cfg = _config_from(args)
+    spec = _spec(args).validated()
+    train_job(cfg, spec, resume=args.resume)
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import os
+
+    from allhands.launch import launch
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"script {args.script!r} does not exist; pass the path of a Python file")
+    launch(sys.executable, ("-u", str(script), *args.script_args), _spec(args),
+           threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set)
+    validate(cfg, need_data=False)
+    sys.stdout.write(to_toml(cfg, with_docs=args.docs))
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from allhands.data import prepare
+
+    texts = []
+    for name in args.text_files:
+        p = Path(name)
+        if not p.is_file():
+            raise ConfigError(f"text file {name!r} does not exist; pass existing UTF-8 text files")
+        try:
+            texts.append(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"text file {name!r} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not 0 < args.val_fraction < 1:
+        raise ConfigError(f"--val-fraction: {args.val_fraction} is not allowed; must be in (0, 1)")
+    meta = prepare(texts, args.out, val_fraction=args.val_fraction)
+    n = {k: sum(e["tokens"] for e in v) for k, v in meta["splits"].items()}
+    print(f"allhands: wrote {n['train']:,} train and {n['val']:,} val tokens to {args.out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from allhands.report import make_report
+
+    for path in make_report(Path(args.run_dir)):
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="allhands", description="Distributed training on torch.distributed.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (the embedded default job without CONFIG)")
+    t.add_argument("config", nargs="?", help="TOML job config")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one config field (repeatable)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    _add_launch_args(t)
+    t.set_defaults(fn=cmd_train)
+
+    la = sub.add_parser("launch", help="run your own script that uses the Python API on N workers")
+    _add_launch_args(la)
+    la.add_argument("script")
+    la.add_argument("script_args", nargs=argparse.REMAINDER)
+    la.set_defaults(fn=cmd_launch)
+
+    c = sub.add_parser("config", help="inspect configs")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    cs = csub.add_parser("show", help="print the resolved config")
+    cs.add_argument("config", nargs="?")
+    cs.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    cs.add_argument("--docs", action="store_true", help="add each field's doc as a comment")
+    cs.set_defaults(fn=cmd_config_show)
+
+    p = sub.add_parser("prepare", help="turn text files into token shards")
+    p.add_argument("text_files", nargs="+")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of tokens")
+    p.set_defaults(fn=cmd_prepare)
+
+    r = sub.add_parser("report", help="draw PNG plots of a run")
+    r.add_argument("run_dir")
+    r.set_defaults(fn=cmd_report)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except AllhandsError as e:
+        print(f"allhands: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("allhands: interrupted; the last committed checkpoint is intact", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Token shards on disk: ``DIR/meta.json`` plus raw ``uint16``/``uint32`` files read by memmap.
+
+Layout written by :func:`prepare`::
+
+    DIR/meta.json            {"format": 1, "tokenizer": "byte", "vocab_size": 257, "dtype": "uint16",
+                              "splits": {"train": [{"file": "train-000.bin", "tokens": N}, ...],
+                                         "val": [...]}}
+    DIR/train-000.bin ...    concatenated token ids, documents separated by the end-of-text token
+
+A sample is a window of ``seq_len + 1`` tokens starting at a multiple of ``seq_len`` inside one
+shard: ``x = window[:-1]``, ``y = window[1:]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from allhands.data.tokenizer import ByteTokenizer
+from allhands.errors import DataError
+
+FORMAT = 1
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+
+
+def _write_split(out: Path, split: str, tokens: np.ndarray, shard_tokens: int) -> list[dict]:
+    entries = []
+    for i, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
+        part = tokens[start:start + shard_tokens]
+        name = f"{split}-{i:03d}.bin"
+        part.tofile(out / name)
+        entries.append({"file": name, "tokens": int(len(part))})
+    return entries
+
+
+def prepare(texts: list[str], out: str | os.PathLike, val_fraction: float = 0.05,
+            shard_tokens: int = 1 << 24) -> dict:
+    """Tokenize documents with the byte tokenizer and write train/val shards to ``out``.
+
+    The last ``val_fraction`` of the token stream is held out for evaluation.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction {val_fraction} must be in (0, 1)")
+    tok = ByteTokenizer()
+    pieces = []
+    for t in texts:
+        pieces.append(tok.encode(t))
+        pieces.append(np.array([tok.eot], dtype=tok.dtype))
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=tok.dtype)
+    n_val = max(1, int(len(stream) * val_fraction))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+        "dtype": np.dtype(tok.dtype).name,
+        "splits": {"train": _write_split(out, "train", stream[:-n_val], shard_tokens),
+                   "val": _write_split(out, "val", stream[-n_val:], shard_tokens)},
+    }
+    tmp = out / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / "meta.json")  # meta last: a directory with meta.json is complete
+    return meta
+
+
+def embedded_text() -> str:
+    """The corpus shipped with the package (see scripts/make_corpus.py)."""
+    raw = resources.files("allhands.data").joinpath("corpus.txt.gz").read_bytes()
+    return gzip.decompress(raw).decode("utf-8")
+
+
+def prepare_embedded(out: str | os.PathLike) -> Path:
+    """Shards of the embedded corpus, made once per directory."""
+    out = Path(out)
+    if not (out / "meta.json").is_file():
+        # Made beside and renamed into place, so concurrent workers never read a half-written shard.
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        prepare(embedded_text().split("\n\n"), tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Map-style dataset of non-overlapping ``seq_len + 1`` windows over memmapped shards."""
+
+    def __init__(self, files: list[tuple[Path, int]], dtype: np.dtype, seq_len: int):
+        self.seq_len = seq_len
+        self.maps = []
+        self.offsets = [0]  # cumulative sample counts per shard
+        for path, n_tokens in files:
+            if not path.is_file():
+                raise DataError(f"token shard {str(path)!r} is missing; re-run `allhands prepare`")
+            size = path.stat().st_size
+            if size != n_tokens * np.dtype(dtype).itemsize:
+                raise DataError(f"token shard {str(path)!r} has {size} bytes, meta.json says "
+                                f"{n_tokens} tokens; the data is truncated, re-run `allhands prepare`")
+            n_samples = (n_tokens - 1) // seq_len if n_tokens > seq_len else 0
+            if n_samples:
+                self.maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,)))
+                self.offsets.append(self.offsets[-1] + n_samples)
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        shard = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        start = (i - self.offsets[shard]) * self.seq_len
+        window = torch.from_numpy(self.maps[shard][start:start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def load_meta(path: str | os.PathLike) -> dict:
+    p = Path(path) / "meta.json"
+    try:
+        meta = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{str(p)!r} not found; make it with `allhands prepare TEXT_FILES --out "
+                        f"{path}`") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{str(p)!r} is not valid JSON ({e}); re-run `allhands prepare`") from None
+    if meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES:
+        raise DataError(f"{str(p)!r} has format {meta.get('format')!r} / dtype {meta.get('dtype')!r}; "
+                        f"this allhands reads format {FORMAT} with uint16 or uint32")
+    return meta
+
+
+def load_token_splits(path: str | os.PathLike, seq_len: int) -> tuple[TokenDataset, TokenDataset, dict]:
+    """(train, val, meta) datasets of a prepared directory."""
+    meta = load_meta(path)
+    dtype = DTYPES[meta["dtype"]]
+    root = Path(path)
+    splits = []
+    for split in ("train", "val"):
+        files = [(root / e["file"], int(e["tokens"])) for e in meta["splits"].get(split, [])]
+        ds = TokenDataset(files, dtype, seq_len)
+        if len(ds) == 0:
+            raise DataError(f"{split} split of {str(root)!r} holds no window of seq_len+1="
+                            f"{seq_len + 1} tokens; give more text or a smaller model.seq_len")
+        splits.append(ds)
+    return splits[0], splits[1], meta

@@ -1,0 +1,19 @@
+"""Replicated data parallelism with torch DDP (bucketed all-reduce overlapped with backward)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from allhands.mesh import Mesh
+
+
+def apply_ddp(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0) -> DDP:
+    """Wrap ``model`` (already on ``mesh.device``) in DDP over the ``dp_replicate`` group.
+
+    DDP broadcasts rank 0's parameters at construction, so replicas start identical even if a
+    user's builder was not seeded.
+    """
+    device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, process_group=mesh.dp_group,
+               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)

@@ -1,0 +1,71 @@
+"""PNG plots of a run directory from its metrics.jsonl: loss (train and eval), throughput, and
+step time per rank (a straggler shows as one line above the others)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from allhands.errors import DataError
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise DataError(f"{str(path)!r} not found; pass a run directory made by `allhands train`")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise DataError(f"{str(path)!r} line {n} is not JSON; the file is damaged") from None
+    return rows
+
+
+def make_report(run_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    if not train and not evals:
+        raise DataError(f"{str(run_dir / 'metrics.jsonl')!r} holds no step yet; train first")
+    out_dir = run_dir / "report"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title("loss"), ax.legend(), ax.grid(alpha=0.3)
+    save(fig, "loss.png")
+
+    if train:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], lw=1)
+        ax.set_xlabel("step"), ax.set_ylabel("tokens/s"), ax.set_title("throughput"), ax.grid(alpha=0.3)
+        save(fig, "throughput.png")
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        n_ranks = max(len(r.get("step_time_rank", [])) for r in train)
+        for rank in range(n_ranks):
+            pts = [(r["step"], r["step_time_rank"][rank]) for r in train
+                   if len(r.get("step_time_rank", [])) > rank]
+            ax.plot([p[0] for p in pts], [p[1] * 1000 for p in pts], lw=1, label=f"rank {rank}")
+        ax.set_xlabel("step"), ax.set_ylabel("step time (ms)"), ax.set_title("step time per rank")
+        ax.legend(), ax.grid(alpha=0.3)
+        save(fig, "step_time.png")
+    return written
