@@ -197,3 +197,12 @@ def _barrier() -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> torch.nn.Module:
+    """Load the model weights of a committed checkpoint into a plain single-device module
+    (no process group needed), e.g. for evaluation or tests."""
+    sd = model.state_dict()
+    dcp.load({"model": {"model": sd}}, checkpoint_id=Path(path))
+    model.load_state_dict(sd)
+    return model

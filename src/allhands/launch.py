@@ -166,6 +166,10 @@ def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
+    # These two log each worker failure with a traceback of the *agent*; failure_summary()
+    # says the same in one line with the worker's own cause.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
 def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 1,
@@ -210,7 +214,7 @@ def failure_summary(e: Any) -> str:
     lines = []
     first_rank, first = e.get_first_failure()
     for rank, f in sorted(e.failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
-        msg = f.message if isinstance(f.message, str) else str(f.message)
+        msg = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
         if not f.error_file_data and f.signal_name() != "<N/A>" and f.exitcode < 0:
             msg = f"killed by {f.signal_name()}"
         elif not f.error_file_data:

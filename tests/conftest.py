@@ -1,0 +1,51 @@
+"""Shared fixtures: a tiny job and a small token directory, so every launch stays a few seconds."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from allhands.config import Config, apply_override
+from allhands.data import prepare
+from allhands.data.shards import embedded_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# model.bias=false: the key projection's bias cannot change any output (it adds the same q.b_k to
+# every score of a softmax row), so its true gradient is 0 and its computed one is rounding noise
+# that Adam's normalisation turns into lr-sized steps. That one parameter, not data parallelism,
+# would decide a parity comparison; without biases every parameter is identifiable.
+TINY = [
+    "model.bias=false", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.seq_len=16",
+    "run.steps=4", "run.global_batch=12", "run.eval_interval=0", "run.seed=3",
+    "optim.warmup_steps=2", "optim.lr=1e-2", "data.eval_batches=1",
+    "checkpoint.interval=0", "log.progress=false", "log.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="session")
+def token_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokens")
+    docs = embedded_text().split("\n\n")[:300]
+    prepare(docs, out, val_fraction=0.1)
+    return out
+
+
+def tiny_config(token_dir: Path, run_dir: Path, *extra: str) -> Config:
+    cfg = Config()
+    for item in (*TINY, f"data.path={token_dir}", f"run.dir={run_dir}", *extra):
+        apply_override(cfg, item)
+    return cfg
+
+
+@pytest.fixture
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+ALLHANDS = [sys.executable, "-m", "allhands.cli"]
