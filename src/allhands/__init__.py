@@ -25,16 +25,17 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
     (default: token shards at ``config.data.path``, or the embedded corpus).
     ``loss``: ``(output, target) -> scalar`` (default: next-token cross entropy).
     """
-    from allhands.launch import resolve_run, run_training, worker_env
+    from allhands.launch import reported_failures, resolve_run, run_training, worker_env
     from allhands.trainer import Job
 
-    cfg = config if config is not None else Config()
-    env = worker_env()
-    if env.world_size > 1 and not (cfg.run.dir or resume):
-        raise ConfigError("run.dir: set it when training under a launcher, so that every worker "
-                          "writes to the same run directory")
-    cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0)
-    return run_training(cfg, Job(model=model, data=data, loss=loss))
+    with reported_failures():
+        cfg = config if config is not None else Config()
+        env = worker_env()
+        if env.world_size > 1 and not (cfg.run.dir or resume):
+            raise ConfigError("run.dir: set it when training under a launcher, so that every worker "
+                              "writes to the same run directory")
+        cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0)
+        return run_training(cfg, Job(model=model, data=data, loss=loss))
 
 
 __all__ = ["AllhandsError", "CheckpointError", "Config", "ConfigError", "DataError", "LaunchError",

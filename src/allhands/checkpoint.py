@@ -203,6 +203,6 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> torch
     """Load the model weights of a committed checkpoint into a plain single-device module
     (no process group needed), e.g. for evaluation or tests."""
     sd = model.state_dict()
-    dcp.load({"model": {"model": sd}}, checkpoint_id=Path(path))
+    dcp.load({"model": {"model": sd}}, checkpoint_id=Path(path), no_dist=not dist.is_initialized())
     model.load_state_dict(sd)
     return model

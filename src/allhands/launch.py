@@ -8,6 +8,7 @@ use torch's c10d rendezvous at ``--rdzv-endpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -62,16 +63,25 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
 
 def _worker_main(cfg_dict: dict, job: Any) -> None:
     """Entry point of each spawned worker (module level so that spawn can pickle it)."""
+    with reported_failures():
+        run_training(Config.from_dict(cfg_dict), job)
+
+
+@contextlib.contextmanager
+def reported_failures():
+    """In a launched worker: write torch's error file for any exception, so the launcher's
+    summary names the cause; user-caused errors then exit without a traceback."""
     _worker_setup()
     try:
-        run_training(Config.from_dict(cfg_dict), job)
+        yield
     except AllhandsError as e:
-        # A user-caused error: write torch's error file (the launcher reads it for its summary)
-        # and exit without a traceback.
-        _record_error(e)
-        sys.exit(e.exit_code)
+        if worker_env().launched:
+            _record_error(e)
+            sys.exit(e.exit_code)
+        raise
     except Exception as e:
-        _record_error(e)
+        if worker_env().launched:
+            _record_error(e)
         raise
 
 
@@ -210,16 +220,20 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
 
 
 def failure_summary(e: Any) -> str:
-    """One line per failed rank, root cause first: 'rank R (pid P): ExcType: message'."""
+    """'worker rank R (pid P) failed: cause' for the first failure and any other rank that raised;
+    ranks the agent merely terminated after the first failure are left out."""
+    first_rank, _ = e.get_first_failure()
     lines = []
-    first_rank, first = e.get_first_failure()
     for rank, f in sorted(e.failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
-        msg = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
-        if not f.error_file_data and f.signal_name() != "<N/A>" and f.exitcode < 0:
+        raised = isinstance(f.message, dict)
+        if rank != first_rank and not raised:
+            continue
+        if raised:
+            msg = str(f.message.get("message", "")).strip().splitlines()[0]
+        elif f.exitcode < 0:
             msg = f"killed by {f.signal_name()}"
-        elif not f.error_file_data:
-            msg = f"exited with code {f.exitcode} (see its output above)"
-        msg = msg.strip().splitlines()[0] if msg.strip() else f"exit code {f.exitcode}"
+        else:
+            msg = f"exited with code {f.exitcode} (its output above says why)"
         lines.append(f"worker rank {rank} (pid {f.pid}) failed: {msg}")
     return "; ".join(lines)
 

@@ -1,0 +1,76 @@
+"""The commands end to end, as a user runs them, and the failures a user can cause."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import tomllib
+
+from allhands.checkpoint import committed
+
+from conftest import ALLHANDS, ROOT
+
+
+def run(argv, env, timeout=240):
+    return subprocess.run([*ALLHANDS, *argv], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_train_then_report_on_the_embedded_corpus(tmp_path, cli_env):
+    cli_env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # a fresh machine: corpus not yet prepared
+    run_dir = tmp_path / "run"
+    r = run(["train", "examples/configs/tiny.toml", "--nproc", "2", "--set", f"run.dir={run_dir}",
+             "--set", "run.steps=12", "--set", "checkpoint.interval=6"], cli_env)
+    assert r.returncode == 0, r.stderr
+    assert "allhands: done: steps 12" in r.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in steps] == list(range(1, 13))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time"):
+        assert all(isinstance(row[key], float) for row in steps), key
+    assert all(len(row["step_time_rank"]) == 2 for row in steps)
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    assert len(evals) == 3 and evals[-1] < evals[0]
+    resolved = tomllib.loads((run_dir / "config.resolved.toml").read_text())
+    assert resolved["run"]["steps"] == 12 and resolved["model"]["n_embd"] == 64
+    assert [s for s, _ in committed(run_dir / "checkpoints")] == [6, 12]
+    assert any((run_dir / "tensorboard").iterdir())
+
+    rep = run(["report", str(run_dir)], cli_env)
+    assert rep.returncode == 0, rep.stderr
+    for name in ("loss.png", "throughput.png", "step_time.png"):
+        png = run_dir / "report" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_launch_runs_a_user_script_with_the_python_api(tmp_path, cli_env):
+    run_dir = tmp_path / "user"
+    r = run(["launch", "--nproc", "2", "examples/user_model.py", "--steps", "30", "--run-dir",
+             str(run_dir)], cli_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("final loss") == 2  # every rank returns the metrics
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    assert evals[-1] < 0.5 * evals[0]
+
+
+def test_a_worker_that_raises_stops_the_job_and_keeps_checkpoints(tmp_path, cli_env):
+    run_dir = tmp_path / "flaky"
+    r = run(["launch", "--nproc", "2", "tests/scripts/failing_job.py", str(run_dir)], cli_env)
+    assert r.returncode == 1
+    summary = [line for line in r.stderr.splitlines() if line.startswith("allhands: error:")]
+    assert len(summary) == 1, r.stderr
+    assert "worker rank 1" in summary[0] and "ValueError: boom in rank 1's forward" in summary[0]
+    assert [s for s, _ in committed(run_dir / "checkpoints")] == [5]
+
+
+def test_port_in_use_is_one_clear_line(cli_env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run(["train", "--port", str(port), "--set", "run.steps=1"], cli_env, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith(f"allhands: error: port {port} on 127.0.0.1 is in use")
+    assert "Traceback" not in r.stderr
