@@ -74,3 +74,38 @@ def test_port_in_use_is_one_clear_line(cli_env):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith(f"allhands: error: port {port} on 127.0.0.1 is in use")
     assert "Traceback" not in r.stderr
+
+
+def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir):
+    """Two 'nodes' on loopback, each `allhands train --nnodes 2 --node-rank i --rdzv-endpoint`,
+    train the same job as one node with two workers, to the same parameters."""
+    import torch
+
+    from allhands.checkpoint import load_model_weights
+    from allhands.launch import free_port
+    from allhands.trainer import build_reference_model
+
+    from conftest import TINY, tiny_config
+
+    sets = [a for item in (*TINY, f"data.path={token_dir}") for a in ("--set", item)]
+    port = free_port()
+    multi = tmp_path / "multi"
+    procs = [subprocess.Popen(
+        [*ALLHANDS, "train", *sets, "--set", f"run.dir={multi}", "--nproc", "1", "--nnodes", "2",
+         "--node-rank", str(i), "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1"],
+        env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    single = tmp_path / "single"
+    r = run(["train", *sets, "--set", f"run.dir={single}", "--nproc", "2"], cli_env)
+    assert r.returncode == 0, r.stderr
+    cfg = tiny_config(token_dir, single)
+    a = load_model_weights(committed(multi / "checkpoints")[-1][1], build_reference_model(cfg, 257))
+    b = load_model_weights(committed(single / "checkpoints")[-1][1], build_reference_model(cfg, 257))
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(va, vb, rtol=1e-5, atol=1e-7), k

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import logging
 import os
 import socket
@@ -208,7 +209,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         rdzv_configs = {"timeout": 60}
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
-        run_id=spec.run_id or uuid.uuid4().hex[:12], rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        run_id=spec.run_id or _default_run_id(spec), rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
         start_method="spawn", local_addr=spec.local_addr or None,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
@@ -217,6 +218,14 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         raise LaunchError(failure_summary(e)) from None
+
+
+def _default_run_id(spec: LaunchSpec) -> str:
+    """Every node of one job must present the same rendezvous run id; a single node needs a
+    fresh one so that a stale store entry can never be mistaken for this job's."""
+    if spec.multi_node:
+        return "allhands-" + hashlib.sha256(spec.rdzv_endpoint.encode()).hexdigest()[:12]
+    return uuid.uuid4().hex[:12]
 
 
 def failure_summary(e: Any) -> str:
@@ -287,6 +296,8 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
                       multi_node=spec.multi_node)
     print(f"allhands: run directory {cfg.run.dir} ({spec.nnodes} node(s) x {spec.nproc} worker(s))",
           file=sys.stderr, flush=True)
+    if spec.multi_node and not spec.run_id:
+        spec.run_id = "allhands-" + hashlib.sha256(f"{spec.rdzv_endpoint} {cfg.run.dir}".encode()).hexdigest()[:12]
     launch(_worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs")
     return cfg
