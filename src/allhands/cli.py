@@ -63,15 +63,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    import os
-
     from allhands.launch import launch
 
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script {args.script!r} does not exist; pass the path of a Python file")
-    launch(sys.executable, ("-u", str(script), *args.script_args), _spec(args),
-           threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    launch(sys.executable, ("-u", str(script), *args.script_args), _spec(args))
     return 0
 
 

@@ -112,7 +112,7 @@ class RunConfig:
     device: str = _f("auto", "auto (cuda when available, else cpu), cpu or cuda")
     precision: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
     check_sync: bool = _f(False, "debug: compare a parameter checksum across ranks after each update")
-    threads: int = _f(1, "torch intra-op threads per CPU worker, >= 1")
+    threads: int = _f(0, "torch intra-op threads per CPU worker; 0 = CPU cores / workers on the node")
 
 
 @dataclass
@@ -264,7 +264,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check(r.global_batch >= 1, "run.global_batch", "must be >= 1", r.global_batch)
     _check(r.micro_batches >= 1, "run.micro_batches", "must be >= 1", r.micro_batches)
     _check(r.eval_interval >= 0, "run.eval_interval", "must be >= 0", r.eval_interval)
-    _check(r.threads >= 1, "run.threads", "must be >= 1", r.threads)
+    _check(r.threads >= 0, "run.threads", "must be >= 0 (0 = cores / workers)", r.threads)
     _check(r.device in ("auto", "cpu", "cuda"), "run.device", "allowed: auto, cpu, cuda", r.device)
     _check(r.precision in ("auto", "fp32", "bf16"), "run.precision", "allowed: auto, fp32, bf16", r.precision)
     _check(bool(r.name) and "/" not in r.name, "run.name", "must be non-empty and contain no '/'", r.name)

@@ -162,7 +162,7 @@ class LaunchSpec:
                               f"must be in [0, {s.nnodes})")
         if s.nnodes > 1 and not s.rdzv_endpoint:
             raise ConfigError("--rdzv-endpoint: required with --nnodes > 1, e.g. node0:29400")
-        if s.rdzv_endpoint and s.rdzv_endpoint.rpartition(":")[2].isdigit() is False:
+        if s.rdzv_endpoint and not s.rdzv_endpoint.rpartition(":")[2].isdigit():
             raise ConfigError(f"--rdzv-endpoint: {s.rdzv_endpoint!r} is not HOST:PORT")
         return s
 
@@ -183,7 +183,7 @@ def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
-def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 1,
+def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 0,
            log_dir: Path | None = None) -> None:
     """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker.
 
@@ -194,7 +194,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     spec = spec.validated()
-    _environment_fixes(spec, threads)
+    _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
     if spec.multi_node:
         endpoint = spec.rdzv_endpoint
         host, _, port = endpoint.rpartition(":")
@@ -292,6 +292,9 @@ def _cache_dir() -> Path:
 def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None = None) -> Config:
     """Launcher side of ``allhands train``: resolve, then start every worker of this node."""
     spec = spec.validated()
+    if cfg.run.threads == 0:
+        cfg = Config.from_dict(cfg.to_dict())
+        cfg.run.threads = max(1, (os.cpu_count() or 1) // spec.nproc)
     cfg = resolve_run(cfg, resume=resume, world_size=spec.nproc * spec.nnodes,
                       multi_node=spec.multi_node)
     print(f"allhands: run directory {cfg.run.dir} ({spec.nnodes} node(s) x {spec.nproc} worker(s))",

@@ -102,7 +102,7 @@ class Trainer:
     def __init__(self, cfg: Config, job: Job, mesh: Mesh, run_dir: Path):
         self.cfg, self.job, self.mesh, self.run_dir = cfg, job, mesh, run_dir
         r = cfg.run
-        if mesh.device.type == "cpu":
+        if mesh.device.type == "cpu" and r.threads:
             torch.set_num_threads(r.threads)
         self.train_ds, self.val_ds, vocab = build_data(cfg, job)
         # Same seed on every rank for initialisation; DDP also broadcasts rank 0's weights.
