@@ -3,6 +3,8 @@ same parameters as one process training on whole global batches (fp32, rel. diff
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,16 +36,10 @@ def reference_params(cfg) -> dict[str, torch.Tensor]:
 
 
 def trained_params(cfg) -> dict[str, torch.Tensor]:
-    _, path = committed(cfg_dir(cfg) / "checkpoints")[-1]
-    train, _, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    _, path = committed(Path(cfg.run.dir) / "checkpoints")[-1]
+    _, _, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
     model = build_reference_model(cfg, meta["vocab_size"])
     return load_model_weights(path, model).state_dict()
-
-
-def cfg_dir(cfg):
-    from pathlib import Path
-
-    return Path(cfg.run.dir)
 
 
 def max_rel_diff(a: dict, b: dict) -> float:

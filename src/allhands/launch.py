@@ -299,8 +299,6 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
                       multi_node=spec.multi_node)
     print(f"allhands: run directory {cfg.run.dir} ({spec.nnodes} node(s) x {spec.nproc} worker(s))",
           file=sys.stderr, flush=True)
-    if spec.multi_node and not spec.run_id:
-        spec.run_id = "allhands-" + hashlib.sha256(f"{spec.rdzv_endpoint} {cfg.run.dir}".encode()).hexdigest()[:12]
     launch(_worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs")
     return cfg
