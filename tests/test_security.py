@@ -25,7 +25,8 @@ from allhands.security import (
 )
 
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+              pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")]
 
 
 class Canary:
@@ -50,7 +51,10 @@ def _model_and_optim(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer, n: int, blob: bytes, t: torch.Tensor):
     msd, osd = get_state_dict(model, opt)
-    return {"model": {"model": msd, "optim": osd},
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    for _ in range(n):
+        sched.step()
+    return {"model": {"model": msd, "optim": osd}, "scheduler": sched.state_dict(),
             "extra": {"n": n, "blob": blob, "nested": {"name": f"run{n}", "t": t}}}
 
 
@@ -112,6 +116,7 @@ def test_real_checkpoint_passes_and_loads_through_safe_reader(saved):
     assert got["extra"]["n"] == 7 and got["extra"]["blob"] == b"\x00\xffbytes"
     assert got["extra"]["nested"]["name"] == "run7"
     assert got["model"]["optim"]["param_groups"] == want["model"]["optim"]["param_groups"]
+    assert got["scheduler"] == want["scheduler"] and got["scheduler"]["last_epoch"] == 7
 
 
 def _craft_metadata(ckpt: Path, canary: Path) -> None:
@@ -137,17 +142,30 @@ def test_crafted_metadata_is_refused(ckpt, tmp_path):
     assert not canary.exists()
 
 
-def test_crafted_metadata_is_refused_by_dcp_load(ckpt, tmp_path):
-    canary = tmp_path / "canary"
-    shutil.copy(ckpt / ".metadata", ckpt / "__0.metadata")  # a genuine rank-local fallback
+def test_crafted_metadata_is_refused_by_dcp_load(tmp_path):
+    ckpt, canary = tmp_path / "c", tmp_path / "canary"
+    dcp.save({"x": torch.ones(2)}, checkpoint_id=ckpt, no_dist=True)
+    shutil.copy(ckpt / ".metadata", ckpt / "__0.metadata")  # genuine: DCP's fallback must not win
     _craft_metadata(ckpt, canary)
+    got = {"x": torch.zeros(2)}
     reader = SafeFileSystemReader(ckpt)
     with pytest.raises(BaseException) as ei:  # DCP wraps failures in CheckpointException
-        dcp.load({"x": torch.zeros(2)}, storage_reader=reader, no_dist=True)
+        dcp.load(got, storage_reader=reader, no_dist=True)
     err = checkpoint_error_from(ei.value, reader)
     assert isinstance(err, CheckpointError) and "crafted" in _one_line(err)
-    assert ".metadata" in str(err) and "__0.metadata" not in str(err)
-    assert not canary.exists()
+    assert "/.metadata" in str(err)
+    assert not canary.exists() and torch.equal(got["x"], torch.zeros(2))
+
+
+def test_data_path_outside_checkpoint_is_refused(ckpt):
+    with open(ckpt / ".metadata", "rb") as f:
+        md = pickle.load(f)  # genuine, so plain pickle is fine here
+    index = next(iter(md.storage_data))
+    md.storage_data[index].relative_path = "../other/__0_0.distcp"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="outside the checkpoint") as ei:
+        verify_metadata(ckpt)
+    assert "'../other/__0_0.distcp'" in _one_line(ei.value)
 
 
 def test_unrelated_global_and_missing_or_garbage_metadata(tmp_path):
@@ -193,7 +211,7 @@ def test_crafted_bytes_item_is_refused(tmp_path):
     err = checkpoint_error_from(ei.value)
     assert isinstance(err, CheckpointError), ei.value
     msg = _one_line(err)
-    assert "'evil'" in msg and ".distcp" in msg and "crafted" in msg
+    assert "'evil'" in msg and ".distcp" in msg and "io.open" in msg and "crafted" in msg
     assert not canary.exists()
 
 
@@ -255,7 +273,7 @@ def test_manifest_names_first_difference(ckpt):
 def test_manifest_detects_deleted_and_added_files(ckpt):
     write_manifest(ckpt)
     (ckpt / "extra" / "notes.txt").unlink()
-    with pytest.raises(CheckpointError, match="'extra/notes.txt' listed in the manifest is missing"):
+    with pytest.raises(CheckpointError, match="'extra/notes.txt' listed in the manifest is miss"):
         verify_manifest(ckpt)
     (ckpt / "extra" / "notes.txt").write_text("hello\n")
     verify_manifest(ckpt)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from allhands.errors import CheckpointError
@@ -77,7 +78,7 @@ for _mod in ("pathlib", "pathlib._local"):
 def _allowed(module: str, name: str) -> Any | None:
     found = _ALLOWED.get((module, name))
     if found is None and module == "torch":  # dtypes pickle as torch.<name>, e.g. torch.float32
-        value = getattr(torch, name, None)
+        value = torch.__dict__.get(name)  # no getattr: torch imports some names lazily
         if isinstance(value, torch.dtype):
             found = value
     return found
@@ -86,9 +87,10 @@ def _allowed(module: str, name: str) -> Any | None:
 class RestrictedUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves only the globals DCP writes into ``.metadata``.
 
-    Pickle reaches a callable only through ``find_class``, so a crafted file can construct
-    nothing but DCP's inert metadata dataclasses, ``torch.Size``, dtypes, layouts and paths.
-    Persistent ids are refused by the base class (no ``persistent_load``).
+    Pickle reaches a callable only through ``find_class``, so a crafted file can call nothing
+    but the constructors of DCP's inert metadata dataclasses, ``torch.Size``, paths and the
+    layout lookup (its BUILD opcode can still set attributes on those objects: that can corrupt
+    what is loaded, not run other code). Persistent ids are refused by the base class.
     """
 
     def __init__(self, file: IO[bytes], *, source: str = "<stream>"):
@@ -99,8 +101,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         found = _allowed(module, name)
         if found is None:
             raise CheckpointError(
-                f"refused to unpickle {module}.{name} from {self.source}: DCP never writes it, "
-                f"so the checkpoint may be crafted; it was not loaded (use one written by dcp.save)")
+                f"refused to unpickle {module}.{name} from {self.source}: DCP never writes it, so "
+                f"the checkpoint may be crafted; it was not loaded (use one written by dcp.save)")
         return found
 
 
@@ -125,7 +127,26 @@ def _load_metadata(path: str | os.PathLike, stream: IO[bytes] | None = None) -> 
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{source} holds a {type(metadata).__name__}, not DCP Metadata; the "
                               f"checkpoint may be crafted and was not loaded")
+    _check_storage(metadata, source)
     return metadata
+
+
+def _check_storage(metadata: Metadata, source: str) -> None:
+    """Every data file the metadata names lies inside the checkpoint directory, so a crafted
+    ``relative_path`` cannot make the reader open files elsewhere."""
+    data = metadata.storage_data
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source} has no storage table (storage_data is "
+                              f"{type(data).__name__}); the checkpoint is damaged or crafted")
+    for info in data.values():
+        rel = getattr(info, "relative_path", None)
+        if not (isinstance(info, _dcp_fs._StorageInfo) and isinstance(rel, str) and rel
+                and not rel.startswith(("/", "\\")) and ":" not in rel
+                and ".." not in re.split(r"[\\/]", rel)
+                and type(info.offset) is int and type(info.length) is int
+                and info.offset >= 0 and info.length >= 0):
+            raise CheckpointError(f"{source} points at data {rel!r} outside the checkpoint or at a "
+                                  f"bad offset; the checkpoint may be crafted and was not loaded")
 
 
 def verify_metadata(ckpt_dir: str | os.PathLike) -> None:
@@ -154,7 +175,9 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Same as torch 2.13 FileSystemReader.read_metadata, with the unpickler swapped.
         rank = kwargs.get("rank")
-        if rank is not None and self.refusal is not None:
+        if rank is None:
+            self.refusal = None
+        elif self.refusal is not None:
             raise self.refusal  # fail closed: no fallback past a checkpoint judged crafted
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as metadata_file:
@@ -168,20 +191,24 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self.refusal = None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         return super().read_data(plan, _WeightsOnlyBytes(planner, self))
 
 
 class _WeightsOnlyBytes:
     """A load planner seen through a filter: ``load_bytes`` admits only weights-only pickles."""
 
-    def __init__(self, planner: Any, reader: SafeFileSystemReader):
+    def __init__(self, planner: LoadPlanner, reader: SafeFileSystemReader):
         self._planner, self._reader = planner, reader
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         info = self._reader.storage_data.get(read_item.storage_index)
         source = os.path.join(str(self._reader.path), info.relative_path if info else "?")
         fqn = read_item.storage_index.fqn
@@ -198,11 +225,12 @@ class _WeightsOnlyBytes:
 
 
 def _refusal(e: BaseException) -> str:
-    """The line of torch's multi-paragraph weights-only error that names the refused global."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    for ln in lines:
-        if "Unsupported" in ln or "not an allowed global" in ln:
-            return ln[:200]
+    """One clause from torch's multi-paragraph weights-only error: the refused global if named."""
+    text = str(e)
+    m = re.search(r"GLOBAL ([\w.]+)", text)
+    if m:
+        return f"it unpickles {m.group(1)}, which torch.load(weights_only=True) refuses"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return (lines[0] if lines else type(e).__name__)[:200]
 
 
@@ -296,7 +324,7 @@ def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{str(path)!r} is missing: the checkpoint cannot be verified; "
-                              f"re-save it or write a manifest for a checkpoint you trust") from None
+                              f"re-save it, or write a manifest for one you trust") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{str(path)!r} is not valid JSON ({_first_line(e)}); the "
                               f"checkpoint cannot be verified") from None
@@ -360,7 +388,7 @@ def _message(nonce: bytes, rank: int) -> bytes:
 
 
 def prove(secret: bytes, nonce: bytes, rank: int) -> str:
-    """Hex HMAC-SHA256 of ``nonce + rank`` under the job secret: shows the secret, reveals nothing."""
+    """Hex HMAC-SHA256 of ``nonce + rank`` under the job secret: proves it, reveals nothing."""
     return hmac.new(secret, _message(nonce, rank), hashlib.sha256).hexdigest()
 
 
