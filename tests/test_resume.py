@@ -42,3 +42,22 @@ def test_resume_is_bit_exact(token_dir, tmp_path):
     # the resumed run appended steps 4..6 to the copied metrics
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in line for line in lines) == 9
+
+
+def test_resume_refuses_a_damaged_checkpoint_and_names_the_file(token_dir, tmp_path):
+    import pytest
+
+    from allhands.errors import LaunchError
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(token_dir, run_dir, "run.steps=2")
+    train_job(cfg, LaunchSpec(nproc=2))
+    (_, ckpt), = committed(run_dir / "checkpoints")
+    assert (ckpt / "manifest.json").is_file()
+    shard = ckpt / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(LaunchError, match=r"CheckpointError: .*__1_0\.distcp"):
+        train_job(cfg, LaunchSpec(nproc=2), resume=str(run_dir))
+    assert shard.read_bytes() == bytes(data), "the failed resume touched the checkpoint"

@@ -6,7 +6,8 @@ data cursor), ``rng`` (per-rank generators), ``sync`` (strategy state). The chec
 nothing else about them.
 
 Commit protocol: DCP writes into ``.tmp-step-N``; after every rank has returned from ``dcp.save``
-(which writes ``.metadata`` last) rank 0 fsyncs the files and renames the directory to
+(which writes ``.metadata`` last) rank 0 writes ``manifest.json`` (size and SHA-256 of every
+file, verified before any load), fsyncs the files and renames the directory to
 ``step-N``. A directory without the ``.tmp-`` prefix is therefore complete; a crash mid-save
 leaves only a ``.tmp-`` directory that resume ignores and the next save removes.
 """
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.errors import CheckpointError
+from allhands.security import SafeFileSystemReader, checkpoint_error_from, verify_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -165,6 +167,7 @@ class Checkpointer:
                                   f"{str(self.dir)!r}; earlier checkpoints are untouched") from e
         _barrier()
         if self.rank == 0:
+            write_manifest(tmp)  # sizes and SHA-256 of every file, checked on resume
             _fsync_tree(tmp)
             if final.exists():  # re-saving the same step after a restart
                 shutil.rmtree(final)
@@ -176,17 +179,23 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, state: dict[str, Stateful]) -> None:
+        """Verify the manifest, then load through the reader that never unpickles code."""
+        verify_manifest(path)
+        reader = SafeFileSystemReader(path)
         try:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=reader)
         except BaseException as e:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
+            refused = checkpoint_error_from(e, reader)
+            if refused is not None:
+                raise refused from e
             raise CheckpointError(f"loading checkpoint {str(path)!r} failed ({_first_line(e)}); "
                                   f"it may be from another model or config, or damaged") from e
 
     def saved_keys(self, path: Path) -> set[str]:
         """Flattened state keys present in a committed checkpoint."""
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def _barrier() -> None:
@@ -203,6 +212,7 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> torch
     """Load the model weights of a committed checkpoint into a plain single-device module
     (no process group needed), e.g. for evaluation or tests."""
     sd = model.state_dict()
-    dcp.load({"model": {"model": sd}}, checkpoint_id=Path(path), no_dist=not dist.is_initialized())
+    dcp.load({"model": {"model": sd}}, storage_reader=SafeFileSystemReader(Path(path)),
+             no_dist=not dist.is_initialized())
     model.load_state_dict(sd)
     return model
