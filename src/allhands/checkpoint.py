@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from allhands.errors import CheckpointError
+from allhands.errors import CheckpointError, first_line
 from allhands.security import SafeFileSystemReader, checkpoint_error_from, verify_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -163,7 +163,7 @@ class Checkpointer:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             raise CheckpointError(f"saving checkpoint step {step} to {str(tmp)!r} failed "
-                                  f"({_first_line(e)}); check free space and permissions of "
+                                  f"({first_line(e)}); check free space and permissions of "
                                   f"{str(self.dir)!r}; earlier checkpoints are untouched") from e
         _barrier()
         if self.rank == 0:
@@ -190,7 +190,7 @@ class Checkpointer:
             refused = checkpoint_error_from(e, reader)
             if refused is not None:
                 raise refused from e
-            raise CheckpointError(f"loading checkpoint {str(path)!r} failed ({_first_line(e)}); "
+            raise CheckpointError(f"loading checkpoint {str(path)!r} failed ({first_line(e)}); "
                                   f"it may be from another model or config, or damaged") from e
 
     def saved_keys(self, path: Path) -> set[str]:
@@ -201,11 +201,6 @@ class Checkpointer:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> torch.nn.Module:

@@ -26,3 +26,9 @@ class CheckpointError(AllhandsError):
 
 class LaunchError(AllhandsError):
     """The job could not be started or a worker failed."""
+
+
+def first_line(e: BaseException) -> str:
+    """'ExcType: first line of its message', short enough for a one-line error."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

@@ -79,9 +79,6 @@ class Mesh:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
-        dist.barrier()
-
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

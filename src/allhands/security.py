@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from allhands.errors import CheckpointError
+from allhands.errors import CheckpointError, first_line
 
 __all__ = [
     "MANIFEST_NAME", "MANIFEST_VERSION", "RestrictedUnpickler", "SafeFileSystemReader",
@@ -122,7 +122,7 @@ def _load_metadata(path: str | os.PathLike, stream: IO[bytes] | None = None) -> 
         raise CheckpointError(f"{source} does not exist: not a committed DCP checkpoint (or its "
                               f"save did not finish); pass a committed step directory") from None
     except Exception as e:
-        raise CheckpointError(f"cannot read {source} ({_first_line(e)}); the checkpoint is damaged "
+        raise CheckpointError(f"cannot read {source} ({first_line(e)}); the checkpoint is damaged "
                               f"or was not written by dcp.save; use another checkpoint") from e
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{source} holds a {type(metadata).__name__}, not DCP Metadata; the "
@@ -219,7 +219,7 @@ class _WeightsOnlyBytes:
                                   f"the checkpoint may be crafted and was not loaded") from None
         except Exception as e:
             raise CheckpointError(f"cannot read non-tensor item {fqn!r} in {source} "
-                                  f"({_first_line(e)}); the checkpoint is damaged") from e
+                                  f"({first_line(e)}); the checkpoint is damaged") from e
         value.seek(0)
         self._planner.load_bytes(read_item, value)
 
@@ -251,11 +251,6 @@ def checkpoint_error_from(exc: BaseException,
     cause = exc.__cause__ or exc.__context__
     found = checkpoint_error_from(cause) if cause is not None else None
     return found or (reader.refusal if reader is not None else None)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 # --------------------------------------------------------------------------- manifest
@@ -326,7 +321,7 @@ def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
         raise CheckpointError(f"{str(path)!r} is missing: the checkpoint cannot be verified; "
                               f"re-save it, or write a manifest for one you trust") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{str(path)!r} is not valid JSON ({_first_line(e)}); the "
+        raise CheckpointError(f"{str(path)!r} is not valid JSON ({first_line(e)}); the "
                               f"checkpoint cannot be verified") from None
     bad = CheckpointError(f"{str(path)!r} is not a version {MANIFEST_VERSION} manifest; it may be "
                           f"damaged or edited, so the checkpoint cannot be verified")
