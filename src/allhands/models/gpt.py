@@ -2,6 +2,19 @@
 
 Parallelism is applied afterwards by ``allhands.parallel.apply_*``; nothing here knows about
 processes. Shapes: tokens ``(B, T)`` -> logits ``(B, T, vocab)``.
+
+Two choices keep the model cuttable without changing its parameter names (FQNs), so one
+checkpoint loads under every layout:
+
+- Tensor parallel: the fused ``qkv`` projection stores its rows head by head
+  (``[q_h0 k_h0 v_h0 | q_h1 k_h1 v_h1 | ...]``, Megatron-LM's layout), so a column-wise shard
+  of it holds whole heads, and attention reshapes with ``-1`` heads: the same code runs on all
+  heads or on the local ``n_head / tp``.
+- Pipeline parallel: ``blocks`` is a ``ModuleDict`` keyed ``"0"``, ``"1"``, ... (the same
+  state-dict keys as a ``ModuleList``) and ``forward`` skips parts that are absent, so a stage
+  is a deep copy with the other stages' modules deleted (torchtitan's manual split) and its
+  keys are a subset of the full model's. A stage's input is the previous stage's hidden state
+  ``(B, T, C)``; only the first stage takes token ids.
 """
 
 from __future__ import annotations
@@ -23,25 +36,27 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    tie_embeddings: bool = True
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, C/heads)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, 3C') -> (B, T, heads, 3 * head_dim) -> q, k, v each (B, heads, T, head_dim), where
+        # C' is the local width: n_embd, or n_embd / tp when qkv is column-sharded.
+        qkv = self.qkv(x).view(B, T, -1, 3 * self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
@@ -75,10 +90,11 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf 2017)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # weight tying (Press & Wolf 2017)
         self.apply(self._init)
         # GPT-2's scaled init of residual projections: std 0.02 / sqrt(2 * n_layer)
         for name, p in self.named_parameters():
@@ -93,14 +109,64 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
+        """``idx``: token ids ``(B, T)``, or on a later pipeline stage the hidden state ``(B, T, C)``."""
+        if self.tok_emb is not None:
+            T = idx.shape[1]
+            if T > self.cfg.seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device)))
+        else:
+            x = idx
+        for block in self.blocks.values():
             x = block(x)
+        if self.lm_head is None:
+            return x
         return self.lm_head(self.ln_f(x))
+
+    def tp_plan(self, sequence_parallel: bool = True) -> dict:
+        """The reference GPT's plan (torchtitan llama3's, with a learned position embedding).
+
+        Shapes with sequence parallel on, per rank: tok_emb out ``(B, T/tp, C)`` (row-wise over the
+        vocabulary: each rank looks up its vocabulary rows, then a reduce-scatter over T);
+        qkv/fc out ``(B, T, 3C/tp)`` / ``(B, T, 4C/tp)``; lm_head in ``(B, T, C)`` (all-gathered),
+        out ``(B, T, V)`` replicated for the loss. ``self`` may be a pipeline stage: absent parts are
+        left out of the plan.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                       RowwiseParallel, SequenceParallel)
+
+        from allhands.parallel.tensor import ReplicateParallel
+
+        sp = sequence_parallel
+        seq = Shard(1) if sp else Replicate()
+        plan: dict = {}
+        if getattr(self, "tok_emb", None) is not None:
+            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+            plan["pos_emb"] = ReplicateParallel(output_layout=Shard(0) if sp else Replicate())
+        for name in self.blocks.keys():
+            b = f"blocks.{name}"
+            norm = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
+            plan.update({
+                f"{b}.ln1": norm,
+                f"{b}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                f"{b}.attn.qkv": ColwiseParallel(),
+                f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+                f"{b}.ln2": SequenceParallel() if sp else ReplicateParallel(use_local_output=False),
+                f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                f"{b}.mlp.fc": ColwiseParallel(),
+                f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq),
+            })
+        if getattr(self, "lm_head", None) is not None:
+            plan["ln_f"] = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
+            plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        return plan
+
+    def pipeline_split_points(self, n_stages: int) -> list[str]:
+        """Balanced pipeline split: the FQNs of the blocks that begin stages 1..n_stages-1."""
+        from allhands.parallel.pipeline import balanced_split
+
+        return balanced_split(len(self.blocks), n_stages)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,310 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: split, stages, schedule.
+
+Split (torchtitan's manual split). A model is a sequence of *units*: its top-level children in
+registration order, with ``nn.ModuleList`` / ``nn.ModuleDict`` children expanded into their
+entries (GPT: ``tok_emb, pos_emb, drop, blocks.0 .. blocks.L-1, ln_f, lm_head``). Split points
+are the FQNs of the units that begin stages 1, 2, ...; the reference GPT computes balanced
+ones (``GPT.pipeline_split_points``), a user model names them (``parallel.pp_split``). A stage
+is a deep copy of the whole model with every unit of the other stages deleted: an attribute
+becomes ``None`` and a container entry is removed *by key*, so the remaining parameters keep
+their FQNs and a stage's state dict is a subset of the full model's; one DCP checkpoint loads
+under any pp degree. The model's ``forward`` must therefore skip absent parts (see
+``GPT.forward``) and a stage's input is the previous stage's output.
+
+Stages map to ranks looped: stage ``s`` runs on pp rank ``s % pp``, so with ``v`` stages per
+rank (Interleaved 1F1B, Narayanan et al. 2021) rank ``r`` holds ``r, r + pp, ..., r + (v-1)pp``.
+
+Tied parameters whose copies land on different stages (GPT's ``tok_emb``/``lm_head``: first
+and last stage) are kept equal as Megatron-LM does: both copies start from the same weights,
+their gradients are summed over the two ranks after backward (:meth:`Pipeline.sync_tied_grads`)
+and the optimizer updates both the same way. The global gradient norm counts the pair once.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
+                                                    ScheduleInterleaved1F1B)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE = {"interleaved1f1b"}
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def units(model: nn.Module) -> list[str]:
+    """The model's units in order (see the module doc)."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out.extend(f"{name}.{key}" for key in child._modules)
+        else:
+            out.append(name)
+    return out
+
+
+def check_split_points(all_units: list[str], points: list[str], n_stages: int) -> list[int]:
+    """Indices in ``all_units`` where stages 1..n-1 begin; ValueError names the bad point."""
+    if len(points) != n_stages - 1:
+        raise ValueError(f"parallel.pp_split: {n_stages} pipeline stages need {n_stages - 1} split "
+                         f"points, got {len(points)} ({', '.join(points) or 'none'})")
+    starts = []
+    for p in points:
+        if p not in all_units:
+            raise ValueError(f"parallel.pp_split: {p!r} is not a unit of the model; units are "
+                             f"{', '.join(all_units)}")
+        starts.append(all_units.index(p))
+    if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+        raise ValueError(f"parallel.pp_split: split points {', '.join(points)} must be distinct, in "
+                         f"model order, and not the first unit {all_units[0]!r}")
+    return starts
+
+
+def stage_units(model: nn.Module, points: list[str], n_stages: int) -> list[list[str]]:
+    all_units = units(model)
+    bounds = [0, *check_split_points(all_units, points, n_stages), len(all_units)]
+    return [all_units[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
+
+
+def _delete_unit(model: nn.Module, unit: str) -> None:
+    parent_name, _, key = unit.rpartition(".")
+    if parent_name:
+        # by key, so the remaining entries keep their FQNs ("blocks.3" stays "blocks.3")
+        del model.get_submodule(parent_name)._modules[key]
+    else:
+        setattr(model, key, None)
+
+
+def build_stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
+    """A deep copy of ``model`` holding only the units ``keep``."""
+    stage = copy.deepcopy(model)
+    for unit in units(model):
+        if unit not in keep:
+            _delete_unit(stage, unit)
+    return stage
+
+
+def stage_ids_of(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def tied_across_stages(model: nn.Module, per_stage: list[list[str]]) -> list[list[tuple[int, str]]]:
+    """Groups of (stage, FQN) sharing one tensor in ``model`` but placed on different stages."""
+    from allhands.parallel.tensor import _tied_groups
+
+    def stage_of(fqn: str) -> int:
+        for s, us in enumerate(per_stage):
+            if any(fqn == u or fqn.startswith(u + ".") for u in us):
+                return s
+        raise AssertionError(fqn)
+
+    out = []
+    for names in _tied_groups(model):
+        placed = {stage_of(n): n for n in reversed(names)}  # one FQN per stage
+        if len(placed) > 1:
+            out.append(sorted(placed.items()))
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that drives them.
+
+    ``modules`` are the stage modules the caller parallelizes further (TP first, then FSDP/DDP)
+    before :meth:`start` wraps them in ``PipelineStage`` s and builds the schedule.
+    """
+
+    modules: list[nn.Module]
+    stage_ids: list[int]
+    n_stages: int
+    pp_rank: int
+    pp_size: int
+    schedule_name: str
+    n_microbatches: int
+    group: dist.ProcessGroup
+    tied: list[list[tuple[int, str]]] = field(default_factory=list)
+    tied_group: dist.ProcessGroup | None = None
+    schedule: object = None
+    loss_scale: float = 1.0
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def start(self, device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        stages = [PipelineStage(m, s, self.n_stages, device, group=self.group)
+                  for m, s in zip(self.modules, self.stage_ids)]
+
+        def scaled_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # the schedule divides gradients by the microbatch count (scale_grads=True); the
+            # trainer's gradient accumulation divides by its count through loss_scale.
+            return loss_fn(out, target) * self.loss_scale
+
+        cls = SCHEDULES[self.schedule_name]
+        arg = stages if self.schedule_name in MULTI_STAGE else stages[0]
+        self.schedule = cls(arg, n_microbatches=self.n_microbatches, loss_fn=scaled_loss)
+
+    def _call(self, run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        target = y if self.has_last else None
+        run(*args, target=target, losses=losses if self.has_last else None)
+        if not self.has_last:
+            return None
+        # mean over equal microbatches = mean over the batch (the reference's loss)
+        return torch.stack([l.detach() for l in losses]).mean()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
+        """Forward and backward of one batch in microbatches; the loss on the last stage's rank,
+        else None. Gradients accumulate into the stage parameters."""
+        self.loss_scale = loss_scale
+        return self._call(self.schedule.step, x, y)
+
+    def eval(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        self.loss_scale = 1.0
+        return self._call(self.schedule.eval, x, y)
+
+    # -- tied parameters across stages
+    def _local_tied(self) -> list[tuple[int, str]]:
+        mine = []
+        for group in self.tied:
+            for stage, fqn in group:
+                if stage in self.stage_ids:
+                    mine.append((stage, fqn))
+        return mine
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of tied copies over the first- and last-stage ranks."""
+        for group in self.tied:
+            holders = [(s, fqn) for s, fqn in group if s in self.stage_ids]
+            if not holders:
+                continue
+            s, fqn = holders[0]
+            p = _param(self.modules[self.stage_ids.index(s)], fqn)
+            grad = p.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.tied_group or self.group)
+            # other copies on this same rank (pp=1 never gets here) take the summed gradient
+            for s2, fqn2 in holders[1:]:
+                _param(self.modules[self.stage_ids.index(s2)], fqn2).grad.copy_(grad)
+
+    def norm_duplicates(self) -> set[int]:
+        """ids of parameters whose gradient is counted on another stage (the last copies)."""
+        skip = set()
+        for group in self.tied:
+            first_stage = group[0][0]
+            for s, fqn in group:
+                if s != first_stage and s in self.stage_ids:
+                    skip.add(id(_param(self.modules[self.stage_ids.index(s)], fqn)))
+        return skip
+
+
+def _param(module: nn.Module, fqn: str) -> nn.Parameter:
+    inner = getattr(module, "module", module)  # DDP keeps the stage under .module
+    mod_name, _, p_name = fqn.rpartition(".")
+    return getattr(inner.get_submodule(mod_name) if mod_name else inner, p_name)
+
+
+def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.ProcessGroup,
+                   schedule: str, n_microbatches: int, stages_per_rank: int = 1,
+                   split_points: list[str] | None = None,
+                   tied_group: dist.ProcessGroup | None = None) -> Pipeline:
+    """Cut ``model`` into ``pp_size * stages_per_rank`` stages and keep this rank's.
+
+    ``split_points``: FQNs of the units that begin stages 1.. (None: the model's own
+    ``pipeline_split_points(n_stages)``). ``tied_group``: the group of the ranks holding the
+    first and the last stage (None: ``group``, which is exactly those two ranks when pp=2).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule: {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    if schedule not in MULTI_STAGE and stages_per_rank != 1:
+        raise ValueError(f"parallel.pp_stages_per_rank: {schedule} runs one stage per rank; "
+                         f"use interleaved1f1b for {stages_per_rank}")
+    n_stages = pp_size * stages_per_rank
+    if split_points is None:
+        auto = getattr(model, "pipeline_split_points", None)
+        if auto is None:
+            raise ValueError(f"parallel.pp_split: the model {type(model).__name__} has no automatic "
+                             f"split; name the {n_stages - 1} units that begin stages 1.. "
+                             f"(units: {', '.join(units(model))})")
+        split_points = auto(n_stages)
+    per_stage = stage_units(model, split_points, n_stages)
+    ids = stage_ids_of(pp_rank, pp_size, stages_per_rank)
+    tied = tied_across_stages(model, per_stage)
+    if tied and pp_size > 2 and tied_group is None:
+        raise ValueError("model.tie_embeddings: tied parameters on the first and last stage need "
+                         "a group of those two ranks when pp > 2")
+    modules = [build_stage_module(model, per_stage[s]) for s in ids]
+    return Pipeline(modules, ids, n_stages, pp_rank, pp_size, schedule, n_microbatches, group,
+                    tied=tied, tied_group=tied_group)
+
+
+def balanced_split(n_layers: int, n_stages: int, prefix: str = "blocks") -> list[str]:
+    """Split points giving each stage ``n_layers / n_stages`` blocks (earlier stages get the
+    remainder; the embedding and the head ride with the first and last stage)."""
+    if n_stages > n_layers:
+        raise ValueError(f"parallel.pp: {n_stages} stages need at least as many layers, "
+                         f"the model has {n_layers}")
+    base, extra = divmod(n_layers, n_stages)
+    points, start = [], 0
+    for s in range(n_stages - 1):
+        start += base + (1 if s < extra else 0)
+        points.append(f"{prefix}.{start}")
+    return points
+
+
+def global_grad_norm(params: list[nn.Parameter], *, pp_group: dist.ProcessGroup | None = None,
+                     skip: set[int] = frozenset(), norm_type: float = 2.0) -> torch.Tensor:
+    """The gradient norm of the whole model, as one process would compute it.
+
+    DTensor gradients (TP, FSDP) contribute their full-tensor norm (``full_tensor`` sums the
+    partial squares over the sharded mesh dims); plain ones their local norm; then the squares
+    are summed over the pipeline stages (torchtitan's ``clip_grad_norm_`` does the same).
+    """
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None or id(p) in skip:
+            continue
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
+    total = torch.zeros((), dtype=torch.float32)
+    for mesh, grads in by_mesh.items():
+        n = torch.nn.utils.get_total_norm(grads, norm_type)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        total = total + n.float().cpu() ** norm_type
+    if pp_group is not None:
+        total = total.to(params[0].device) if params else total
+        dist.all_reduce(total, group=pp_group)
+    return total.cpu() ** (1.0 / norm_type)
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as ``clip_grad_norm_`` does."""
+    if max_norm <= 0 or not math.isfinite(max_norm):
+        return
+    coef = max_norm / (float(total_norm) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)

@@ -1,0 +1,147 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) on DTensor's ``parallelize_module``.
+
+A plan maps module FQNs to DTensor parallel styles. The reference GPT brings its own
+(``GPT.tp_plan``, modelled on torchtitan's ``models/llama3/parallelize.py``); a user model can
+define a ``tp_plan(sequence_parallel: bool) -> dict`` method the same way, or pass ``plan=`` here
+(``allhands.train(..., tp_plan=...)``). Per block, with tp ranks and sequence parallel on
+(Korthikanti et al. 2022), the residual stream between modules is a local ``(B, T/tp, C)``:
+
+    ln1 (SequenceParallel) -> all-gather T -> qkv (column: local heads) -> attention on
+    n_head/tp heads -> proj (row) -> reduce-scatter T -> + residual; the same for ln2 -> fc -> proj
+
+so each block costs two all-gathers and two reduce-scatters of ``(B, T, C)`` forward (the same
+bytes as Megatron's two all-reduces) and LayerNorm activations are stored once per tp group.
+
+Parameters tied before parallelizing (GPT's ``tok_emb``/``lm_head``) are tied again afterwards,
+provided the plan gives them the same placement (the embedding is row-wise and the head
+column-wise: both shard the vocabulary dim 0), so their gradients accumulate into one DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel.style import distribute_module
+
+TPPlan = dict[str, ParallelStyle]
+PlanFn = Callable[[nn.Module, bool], TPPlan]
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors and hand its output on in ``output_layout``.
+
+    For small modules that no style covers but whose parameters must still be DTensors, so that
+    gradient clipping and FSDP see one kind of parameter: GPT's learned position embedding,
+    whose ``(T, C)`` output is cut to this rank's ``(T/tp, C)`` sequence slice when the residual
+    stream is sequence-parallel. The parameters are identical on every rank already (same seed),
+    so ``from_local`` needs no broadcast. Backward of the Replicate -> Shard cut is an
+    all-gather of the gradient, which gives every rank the full (identical) weight gradient.
+    """
+
+    def __init__(self, *, output_layout=Replicate(), use_local_output: bool = True):
+        super().__init__()
+        self.output_layout = output_layout
+        self.use_local_output = use_local_output
+
+    def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(
+                p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False),
+                                     requires_grad=param.requires_grad))
+
+    def _inputs(self, mod, inputs, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+                     for t in inputs)
+
+    def _output(self, mod, out, mesh):
+        if self.output_layout != Replicate():
+            out = out.redistribute(placements=[self.output_layout])
+        return out.to_local() if self.use_local_output else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate, self._inputs, self._output)
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """FQNs of parameters that share one tensor, e.g. [["tok_emb.weight", "lm_head.weight"]]."""
+    by_id: dict[int, list[str]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
+            names = by_id.setdefault(id(p), [])
+            if fqn not in names:
+                names.append(fqn)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _get_param(model: nn.Module, fqn: str) -> nn.Parameter:
+    mod_name, _, p_name = fqn.rpartition(".")
+    return getattr(model.get_submodule(mod_name), p_name)
+
+
+def resolve_plan(model: nn.Module, plan: TPPlan | PlanFn | None, sequence_parallel: bool) -> TPPlan:
+    """The plan to use: an explicit dict, a callable ``(model, sequence_parallel)``, or the
+    model's own ``tp_plan(sequence_parallel)`` method."""
+    if plan is None:
+        own = getattr(model, "tp_plan", None)
+        if own is None:
+            raise ValueError(f"parallel.tp: the model {type(model).__name__} has no tensor-parallel "
+                             "plan; give it a tp_plan(sequence_parallel) method or pass "
+                             "allhands.train(..., tp_plan={fqn: ParallelStyle}) (see README)")
+        return own(sequence_parallel)
+    if callable(plan):
+        return plan(model, sequence_parallel)
+    return dict(plan)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
+             plan: TPPlan | PlanFn | None = None) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` with ``plan`` (see :func:`resolve_plan`).
+
+    Must run first, before activation checkpointing and FSDP/DDP (torchtitan's order): FSDP then
+    shards the DTensor parameters further over the data-parallel dims (2-D parameters).
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims")
+    styles = resolve_plan(model, plan, sequence_parallel)
+    missing = [fqn for fqn in styles if _find(model, fqn) is None]
+    if missing:
+        raise ValueError(f"parallel.tp: the TP plan names modules the model does not have: "
+                         f"{', '.join(missing)}; use FQNs from model.named_modules()")
+    tied = _tied_groups(model)
+    parallelize_module(model, tp_mesh, styles)
+    for names in tied:
+        first = _get_param(model, names[0])
+        for other in names[1:]:
+            p = _get_param(model, other)
+            if p is first:
+                continue
+            layout = lambda t: t.placements if isinstance(t, DTensor) else "a plain tensor"  # noqa: E731
+            if layout(p) != layout(first) or p.shape != first.shape:
+                raise ValueError(
+                    f"model.tie_embeddings: the TP plan gives tied parameters {names[0]!r} "
+                    f"({layout(first)}) and {other!r} ({layout(p)}) different layouts; give both "
+                    f"the same sharding or set model.tie_embeddings=false")
+            mod_name, _, p_name = other.rpartition(".")
+            setattr(model.get_submodule(mod_name), p_name, first)
+    return model
+
+
+def _find(model: nn.Module, fqn: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        return None
+
+
+def tp_summary(model: nn.Module) -> dict[str, Any]:
+    """Local vs global parameter counts, for the start-of-run log line."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return {"local_params": local, "global_params": total}
