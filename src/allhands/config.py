@@ -73,11 +73,19 @@ class OptimConfig:
 class ParallelConfig:
     """How the job is cut across processes."""
 
-    dp_replicate: int = _f(-1, "data-parallel replicas; -1 uses every worker")
+    dp_replicate: int = _f(-1, "data-parallel replicas; -1 = the rest of the workers (all of them by default)")
     sync: str = _f("allreduce", "gradient reconciliation strategy: allreduce")
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
+    # The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (torchtitan's ParallelDims
+    # order); the product of the four sizes is the world size, and at most one of them is -1.
+    dp_shard: int = _f(1, "data-parallel ranks that shard the training state (ZeRO/FSDP); -1 = the rest")
+    tp: int = _f(1, "tensor-parallel degree; -1 = the rest of the workers")
+    pp: int = _f(1, "pipeline-parallel stages; -1 = the rest of the workers")
+    zero: int = _f(0, "ZeRO stage over dp_shard: 0 DDP, 1 optimizer state, 2 +gradients, 3 +parameters")
+    ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
+    reduce_dtype: str = _f("fp32", "gradient reduction dtype under zero 2/3 with run.precision=bf16: fp32 or bf16")
 
 
 @dataclass
@@ -87,6 +95,7 @@ class CheckpointConfig:
     interval: int = _f(100, "save every this many steps; 0 saves only at the end")
     keep_last: int = _f(2, "committed checkpoints to keep, >= 1")
     at_end: bool = _f(True, "save a checkpoint after the last step")
+    init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
 
 
 @dataclass
@@ -254,8 +263,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check(p.backend in ("auto", "gloo", "nccl"), "parallel.backend", "allowed: auto, gloo, nccl", p.backend)
     _check(p.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", p.bucket_mb)
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0", p.timeout_s)
-    _check(p.dp_replicate == -1 or p.dp_replicate >= 1, "parallel.dp_replicate",
-           "must be -1 (all workers) or >= 1", p.dp_replicate)
+    _check_parallel(p)
     _check(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)", c.interval)
     _check(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
     _check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
@@ -271,18 +279,82 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     if p.backend == "nccl" and r.device == "cpu":
         raise ConfigError("parallel.backend: 'nccl' needs run.device=cuda; use gloo or auto on CPU")
     if world_size is not None:
-        dp = world_size if p.dp_replicate == -1 else p.dp_replicate
-        _check(dp == world_size, "parallel.dp_replicate",
-               f"must equal the worker count {world_size} (or -1) until other mesh dims exist", p.dp_replicate)
+        sizes = mesh_sizes(p, world_size)
+        _check_sharding(p, sizes)
+        dp = sizes["dp_replicate"] * sizes["dp_shard"]
         per = dp * r.micro_batches
         _check(r.global_batch % per == 0, "run.global_batch",
-               f"must be divisible by workers x micro_batches = {dp} x {r.micro_batches} = {per}",
+               f"must be divisible by data-parallel ranks x micro_batches = {dp} x {r.micro_batches} = {per}",
                r.global_batch)
+    if c.init_from and not Path(c.init_from).is_file():
+        raise ConfigError(f"checkpoint.init_from: {c.init_from!r} does not exist; pass a .safetensors "
+                          f"file written by `allhands export`")
     if need_data and d.path:
         path = Path(d.path)
         if not (path / "meta.json").is_file():
             raise ConfigError(f"data.path: {d.path!r} has no meta.json; make it with "
                               f"`allhands prepare TEXT_FILES --out {d.path}` or leave data.path empty")
+
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def _check_dims(p: ParallelConfig) -> None:
+    for dim in MESH_DIMS:
+        v = getattr(p, dim)
+        _check(v == -1 or v >= 1, f"parallel.{dim}", "must be -1 (the rest of the workers) or >= 1", v)
+    rest = [d for d in MESH_DIMS if getattr(p, d) == -1]
+    if len(rest) > 1:
+        raise ConfigError(f"parallel.{rest[1]}: only one mesh dim may be -1 (the rest of the workers), "
+                          f"but {' and '.join('parallel.' + d for d in rest)} are; set all but one")
+
+
+def _check_parallel(p: ParallelConfig) -> None:
+    """Checks of the parallel section that need no world size."""
+    _check_dims(p)
+    _check(p.zero in (0, 1, 2, 3), "parallel.zero", "allowed: 0 (DDP), 1, 2, 3", p.zero)
+    _check(p.ac in ("none", "block", "selective"), "parallel.ac", "allowed: none, block, selective", p.ac)
+    _check(p.reduce_dtype in ("fp32", "bf16"), "parallel.reduce_dtype", "allowed: fp32, bf16",
+           p.reduce_dtype)
+    if p.dp_shard not in (1, -1) and p.zero == 0:
+        raise ConfigError(f"parallel.zero: 0 (plain DDP) replicates everything, but parallel.dp_shard="
+                          f"{p.dp_shard} asks to shard; set parallel.zero to 1, 2 or 3, or dp_shard=1")
+    if p.zero != 0:  # wired in the next commit (parallel/fsdp.py, parallel/zero1.py)
+        raise ConfigError(f"parallel.zero: {p.zero} is not supported yet; use 0")
+    for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+        if getattr(p, dim) not in (1,):
+            raise ConfigError(f"parallel.{dim}: {what} parallelism is not supported yet; use "
+                              f"parallel.{dim}=1")
+
+
+def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """The four mesh sizes for ``world_size`` workers, the one -1 resolved; raises ConfigError
+    with the arithmetic when they do not multiply to the world size."""
+    _check_dims(p)
+    given = {d: getattr(p, d) for d in MESH_DIMS}
+    fixed = 1
+    for v in given.values():
+        fixed *= v if v != -1 else 1
+    shown = " x ".join(f"{d}={v}" for d, v in (("dp_replicate", p.dp_replicate),
+                                                  ("dp_shard", p.dp_shard), ("tp", p.tp), ("pp", p.pp)))
+    rest = [d for d, v in given.items() if v == -1]
+    if rest:
+        if world_size % fixed:
+            raise ConfigError(f"parallel: {shown}: the fixed dims multiply to {fixed}, which does not "
+                              f"divide the job's {world_size} workers; change the sizes or the worker count")
+        given[rest[0]] = world_size // fixed
+    elif fixed != world_size:
+        raise ConfigError(f"parallel: {shown} = {fixed}, but the job has {world_size} workers; "
+                          f"make the product {world_size} or set one dim to -1")
+    return given
+
+
+def _check_sharding(p: ParallelConfig, sizes: dict[str, int]) -> None:
+    """Layout rules that need the resolved sizes."""
+    if p.zero > 0 and sizes["dp_shard"] == 1 and sizes["dp_replicate"] > 1:
+        raise ConfigError(f"parallel.zero: {p.zero} shards over parallel.dp_shard, which is 1 here, so "
+                          f"nothing would be sharded; set parallel.dp_shard (e.g. -1 with "
+                          f"parallel.dp_replicate=1) or parallel.zero=0")
 
 
 # --------------------------------------------------------------------------- output

@@ -55,7 +55,7 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     p = cfg.parallel
     mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
-                      timeout_s=p.timeout_s)
+                      dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s)
     try:
         return Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir)).fit()
     finally:

@@ -8,12 +8,13 @@ groups. Today the mesh has one dimension, ``dp_replicate``; the sharding issue a
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from allhands.config import MESH_DIMS, ParallelConfig, mesh_sizes
 from allhands.errors import ConfigError
 
 
@@ -30,26 +31,34 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 @dataclass
 class Mesh:
+    """The job's ranks as a named 4-D DeviceMesh ``(pp, dp_replicate, dp_shard, tp)``.
+
+    Dims of size 1 are kept, so every strategy can ask for any dim by name; their groups have
+    one member and cost nothing in a collective. ``dp`` (dp_replicate x dp_shard flattened) is
+    the set of ranks that see different data: the sampler, eval and metrics use it.
+    """
+
     rank: int
     world_size: int
-    local_rank: int
+    node_local_rank: int  # this worker's index on its node (picks the GPU)
     device: torch.device
     backend: str
     device_mesh: DeviceMesh
+    sizes: dict[str, int] = field(default_factory=dict)
+    dp_mesh: DeviceMesh | None = None
 
-    DIMS = ("dp_replicate",)
+    DIMS = MESH_DIMS
 
     @classmethod
     def build(cls, *, rank: int, world_size: int, local_rank: int, device: str, backend: str,
-              dp_replicate: int, timeout_s: float) -> "Mesh":
+              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
+              timeout_s: float = 300.0) -> "Mesh":
         """Initialise the default process group (env:// from the launcher) and the mesh."""
         dev = pick_device(device, local_rank)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
-        dp = world_size if dp_replicate == -1 else dp_replicate
-        if dp != world_size:
-            raise ConfigError(f"parallel.dp_replicate={dp_replicate} does not multiply to the "
-                              f"world size {world_size}; use -1 or {world_size}")
+        sizes = mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp),
+                           world_size)
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             if world_size == 1 and rank == 0 and not _has_rendezvous_env():
@@ -59,25 +68,55 @@ class Mesh:
             else:
                 dist.init_process_group(backend, init_method="env://", rank=rank,
                                         world_size=world_size, timeout=timeout)
-        dmesh = init_device_mesh(dev.type, (dp,), mesh_dim_names=cls.DIMS)
-        return cls(rank, world_size, local_rank, dev, backend, dmesh)
+        # (admission of the peers, right after the default group exists, goes here)
+        dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
+        dp_mesh = dmesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh)
 
-    # -- the data-parallel view used by the sampler and the sync strategies
+    # -- any named dim
+    def get(self, dim: str) -> DeviceMesh | None:
+        """The 1-D submesh of ``dim`` (one of DIMS or "dp"); None when the dim has size 1."""
+        if self.size(dim) == 1:
+            return None
+        return self.dp_mesh if dim == "dp" else self.device_mesh[dim]
+
+    def submesh(self, *dims: str) -> DeviceMesh:
+        """The submesh over ``dims`` (in mesh order), kept even where a size is 1 (FSDP's HSDP
+        takes the 2-D ``("dp_replicate", "dp_shard")``)."""
+        return self.dp_mesh if dims == ("dp",) else self.device_mesh[dims if len(dims) > 1 else dims[0]]
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.dp_mesh.get_group() if dim == "dp" else self.device_mesh.get_group(dim)
+
+    def size(self, dim: str) -> int:
+        if dim == "dp":
+            return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+        return self.sizes[dim]
+
+    def local_rank(self, dim: str) -> int:
+        """This rank's coordinate along ``dim`` (or in the flattened ``dp``)."""
+        return self.dp_mesh.get_local_rank() if dim == "dp" else self.device_mesh.get_local_rank(dim)
+
+    # -- the data-parallel view used by the sampler, eval and the sync strategies
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("dp_replicate")
+        """Ranks that see different data: dp_replicate x dp_shard."""
+        return self.group("dp")
 
     @property
     def dp_rank(self) -> int:
-        return self.device_mesh.get_local_rank("dp_replicate")
+        return self.local_rank("dp")
 
     @property
     def dp_size(self) -> int:
-        return self.device_mesh.size(0)
+        return self.size("dp")
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def describe(self) -> str:
+        return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS)
 
     def destroy(self) -> None:
         if dist.is_initialized():

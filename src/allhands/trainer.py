@@ -28,6 +28,7 @@ from allhands.errors import CheckpointError, ConfigError
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
 from allhands.models import GPT, GPTConfig
+from allhands.parallel import parallelize
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]
@@ -112,7 +113,9 @@ class Trainer:
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = job.loss or lm_loss
         self.strategy = build_sync(cfg.parallel.sync, bucket_mb=cfg.parallel.bucket_mb)
-        self.model = self.strategy.wrap(self.raw_model, mesh)
+        self.model = self.strategy.wrap(
+            parallelize(self.raw_model, mesh, bucket_mb=cfg.parallel.bucket_mb,
+                        replicate=not self.strategy.reconciles_replicas), mesh)
         self.optimizer = build_optimizer(self.raw_model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)

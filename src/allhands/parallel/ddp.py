@@ -9,7 +9,7 @@ from allhands.mesh import Mesh
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0) -> DDP:
-    """Wrap ``model`` (already on ``mesh.device``) in DDP over the ``dp_replicate`` group.
+    """Wrap ``model`` (already on ``mesh.device``) in DDP over the data-parallel group (dp_replicate x dp_shard).
 
     DDP broadcasts rank 0's parameters at construction, so replicas start identical even if a
     user's builder was not seeded.

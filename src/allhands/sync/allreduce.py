@@ -1,7 +1,10 @@
-"""Synchronous data parallelism: every micro-step's gradients are averaged by DDP's all-reduce.
+"""Synchronous data parallelism: every step's gradients are averaged over all data-parallel
+ranks, by the wrapper ``parallelize`` applied (DDP's all-reduce, or FSDP's reduce-scatter and,
+for hybrid sharding, all-reduce across replicas).
 
-Accumulation micro-steps run under ``no_sync`` so only the last one communicates; DDP
-overlaps the bucketed all-reduce with the rest of that backward pass.
+With DDP, accumulation micro-steps run under ``no_sync`` so only the last one communicates; DDP
+overlaps the bucketed all-reduce with the rest of that backward pass. FSDP reduce-scatters every
+micro-step: that keeps gradients sharded (ZeRO-2/3's memory saving) at the cost of more traffic.
 """
 
 from __future__ import annotations
@@ -9,9 +12,9 @@ from __future__ import annotations
 import contextlib
 
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allhands.mesh import Mesh
-from allhands.parallel.ddp import apply_ddp
 from allhands.sync.base import SyncStrategy
 
 
@@ -22,7 +25,7 @@ class AllReduceSync(SyncStrategy):
         self.bucket_mb = bucket_mb
 
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
-        return apply_ddp(model, mesh, bucket_mb=self.bucket_mb)
+        return model  # parallelize() already reconciles replicas (reconciles_replicas is False)
 
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last else model.no_sync()
+        return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()

@@ -23,6 +23,10 @@ from allhands.mesh import Mesh
 
 class SyncStrategy:
     name = "base"
+    # False: parallelize() reconciles the data-parallel replicas every step (DDP, or FSDP's
+    # hybrid all-reduce over dp_replicate). True: this strategy does it itself (DiLoCo), so
+    # parallelize() only shards over dp_shard and leaves dp_replicate alone.
+    reconciles_replicas = False
 
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         """Return the module the loop runs forward/backward on."""
