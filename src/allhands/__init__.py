@@ -16,7 +16,8 @@ from allhands.errors import AllhandsError, CheckpointError, ConfigError, DataErr
 __version__ = "0.1.0"
 
 
-def train(config: Config | None = None, *, model=None, data=None, loss=None, resume: str | None = None):
+def train(config: Config | None = None, *, model=None, data=None, loss=None, resume: str | None = None,
+          tp_plan=None):
     """Train ``model(config)`` on ``data(config)`` with ``loss(output, target)``; returns the last
     step's metrics on every rank.
 
@@ -24,6 +25,8 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
     ``data``: returns a map-style dataset of ``(input, target)`` items, or ``(train, val)``
     (default: token shards at ``config.data.path``, or the embedded corpus).
     ``loss``: ``(output, target) -> scalar`` (default: next-token cross entropy).
+    ``tp_plan``: under ``parallel.tp > 1``, ``{module FQN: DTensor ParallelStyle}`` or a callable
+    ``(model, sequence_parallel) -> that`` (default: the model's own ``tp_plan`` method).
     """
     from allhands.launch import reported_failures, resolve_run, run_training, worker_env
     from allhands.trainer import Job
@@ -35,7 +38,7 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
             raise ConfigError("run.dir: set it when training under a launcher, so that every worker "
                               "writes to the same run directory")
         cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0)
-        return run_training(cfg, Job(model=model, data=data, loss=loss))
+        return run_training(cfg, Job(model=model, data=data, loss=loss, tp_plan=tp_plan))
 
 
 __all__ = ["AllhandsError", "CheckpointError", "Config", "ConfigError", "DataError", "LaunchError",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.errors import CheckpointError, first_line
@@ -35,18 +35,42 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 class ModelOptimState(Stateful):
-    """Model and optimizer through DCP's state_dict helpers (they strip DDP's ``module.``)."""
+    """Model and optimizer through DCP's state_dict helpers (they strip DDP's ``module.``).
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    ``model`` may be the list of this rank's pipeline stages, with ``optimizer.optimizers`` one
+    optimizer per stage (the helpers map parameters to FQNs one module at a time). Optimizer
+    state is flattened to one key per parameter (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``), so it loads under any split of the model into stages.
+    """
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
+    def _parts(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        if isinstance(self.model, list):
+            return list(zip(self.model, self.optimizer.optimizers))
+        return [(self.model, self.optimizer)]
+
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd: dict[str, Any] = {}
+        osd: dict[str, Any] = {}
+        for model, optim in self._parts():
+            m, o = get_state_dict(model, optim, options=self.OPTIONS)
+            msd.update(m)
+            osd.update(o)
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        parts = self._parts()
+        for model, optim in parts:
+            msd, osd = state["model"], state["optim"]
+            if len(parts) > 1:  # each stage takes its own keys (strict loading stays on)
+                mine = set(get_state_dict(model, optim, options=self.OPTIONS)[0])
+                msd = {k: v for k, v in msd.items() if k in mine}
+                osd = {k: v for k, v in osd.items() if k.split(".", 1)[1].rsplit(".", 1)[0] in mine}
+            set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=self.OPTIONS)
 
 
 class TrainState(Stateful):

@@ -44,6 +44,7 @@ class ModelConfig:
     vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
     dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
     bias: bool = _f(True, "use bias in linear layers and layer norms")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2); kept across pipeline stages")
 
 
 @dataclass
@@ -86,6 +87,12 @@ class ParallelConfig:
     zero: int = _f(0, "ZeRO stage over dp_shard: 0 DDP, 1 optimizer state, 2 +gradients, 3 +parameters")
     ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
     reduce_dtype: str = _f("fp32", "gradient reduction dtype under zero 2/3 with run.precision=bf16: fp32 or bf16")
+    # tensor and pipeline parallelism (parallel/tensor.py, parallel/pipeline.py)
+    tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti et al. 2022)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved1f1b")
+    pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
+    pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
+    pp_split: str = _f("", "comma-separated FQNs of the units that begin stages 1..; empty = the model's own split")
 
 
 @dataclass
@@ -286,6 +293,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
         _check(r.global_batch % per == 0, "run.global_batch",
                f"must be divisible by data-parallel ranks x micro_batches = {dp} x {r.micro_batches} = {per}",
                r.global_batch)
+        _check_tp_pp(cfg, sizes)
     if c.init_from and not Path(c.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from: {c.init_from!r} does not exist; pass a .safetensors "
                           f"file written by `allhands export`")
@@ -321,10 +329,12 @@ def _check_parallel(p: ParallelConfig) -> None:
                           f"{p.dp_shard} asks to shard; set parallel.zero to 1, 2 or 3, or dp_shard=1")
     if p.zero != 0:  # wired in the next commit (parallel/fsdp.py, parallel/zero1.py)
         raise ConfigError(f"parallel.zero: {p.zero} is not supported yet; use 0")
-    for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
-        if getattr(p, dim) not in (1,):
-            raise ConfigError(f"parallel.{dim}: {what} parallelism is not supported yet; use "
-                              f"parallel.{dim}=1")
+    _check(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", f"allowed: {', '.join(PP_SCHEDULES)}",
+           p.pp_schedule)
+    _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", "must be >= 0 (0 = one per stage)",
+           p.pp_microbatches)
+    _check(p.pp_stages_per_rank >= 0, "parallel.pp_stages_per_rank", "must be >= 0 (0 = automatic)",
+           p.pp_stages_per_rank)
 
 
 def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
@@ -355,6 +365,70 @@ def _check_sharding(p: ParallelConfig, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.zero: {p.zero} shards over parallel.dp_shard, which is 1 here, so "
                           f"nothing would be sharded; set parallel.dp_shard (e.g. -1 with "
                           f"parallel.dp_replicate=1) or parallel.zero=0")
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+def pp_stages_per_rank(p: ParallelConfig) -> int:
+    return p.pp_stages_per_rank or (2 if p.pp_schedule == "interleaved1f1b" else 1)
+
+
+def pp_microbatches(p: ParallelConfig, pp: int) -> int:
+    return p.pp_microbatches or pp * pp_stages_per_rank(p)
+
+
+def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
+    """Tensor/pipeline layouts the reference model and the batch cannot honour, caught before
+    start instead of as a shape error or a hang inside a collective."""
+    m, p, r = cfg.model, cfg.parallel, cfg.run
+    tp, pp = sizes["tp"], sizes["pp"]
+    if tp > 1:
+        if tp > m.n_head:
+            raise ConfigError(f"parallel.tp: {tp} is larger than model.n_head={m.n_head}; every tensor-"
+                              f"parallel rank needs at least one attention head, use tp <= {m.n_head}")
+        if m.n_head % tp:
+            raise ConfigError(f"parallel.tp: {tp} does not divide model.n_head={m.n_head}; heads are split "
+                              f"evenly over tp ranks, use a divisor of {m.n_head}")
+        if p.tp_sequence_parallel and m.seq_len % tp:
+            raise ConfigError(f"parallel.tp: {tp} does not divide model.seq_len={m.seq_len}, which sequence "
+                              f"parallelism shards; change one or set parallel.tp_sequence_parallel=false")
+    v = pp_stages_per_rank(p)
+    if pp == 1:
+        if p.pp_schedule == "interleaved1f1b" and p.pp_stages_per_rank > 1:
+            raise ConfigError("parallel.pp_stages_per_rank: several stages per rank need parallel.pp > 1")
+        return
+    if p.pp_schedule != "interleaved1f1b" and v != 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank: {p.pp_schedule} runs one stage per rank, got {v}; "
+                          f"use parallel.pp_schedule=interleaved1f1b for several")
+    if p.pp_schedule == "interleaved1f1b" and v < 2:
+        raise ConfigError(f"parallel.pp_stages_per_rank: interleaved1f1b needs >= 2 stages per rank, got "
+                          f"{v}; use 2 (or 0) or parallel.pp_schedule=1f1b")
+    stages = pp * v
+    if not p.pp_split and stages > m.n_layer:
+        what = f"pp x stages per rank = {pp} x {v} = {stages}" if v > 1 else f"{pp}"
+        raise ConfigError(f"parallel.pp: {what} pipeline stages need at least as many layers, but "
+                          f"model.n_layer={m.n_layer}; lower parallel.pp or raise model.n_layer")
+    if p.pp_split and len(p.pp_split.split(",")) != stages - 1:
+        raise ConfigError(f"parallel.pp_split: {stages} stages need {stages - 1} comma-separated split "
+                          f"points, got {len(p.pp_split.split(','))}")
+    mb = pp_microbatches(p, pp)
+    dp = sizes["dp_replicate"] * sizes["dp_shard"]
+    batch = r.global_batch // (dp * r.micro_batches)
+    if batch % mb:
+        raise ConfigError(f"parallel.pp_microbatches: {mb} does not divide the per-rank batch of "
+                          f"run.global_batch / (data-parallel ranks x run.micro_batches) = "
+                          f"{r.global_batch} / ({dp} x {r.micro_batches}) = {batch}; pick a divisor")
+    if p.pp_schedule != "gpipe" and mb < pp:
+        raise ConfigError(f"parallel.pp_microbatches: {p.pp_schedule} needs at least parallel.pp={pp} "
+                          f"microbatches to fill the pipeline, got {mb}")
+    if p.pp_schedule == "interleaved1f1b" and mb % max(1, mb // pp):
+        raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
+                          f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
+    if m.tie_embeddings and pp > 2 and not p.pp_split:
+        raise ConfigError(f"model.tie_embeddings: the tied embedding and head live on the first and last "
+                          f"of {pp} pipeline ranks, which is supported for parallel.pp=2 only; set "
+                          f"model.tie_embeddings=false or parallel.pp=2")
 
 
 # --------------------------------------------------------------------------- output

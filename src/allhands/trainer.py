@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState, seed_rank
-from allhands.config import Config
+from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
@@ -29,6 +29,7 @@ from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
 from allhands.models import GPT, GPTConfig
 from allhands.parallel import parallelize
+from allhands.parallel.pipeline import build_pipeline, clip_grads, global_grad_norm
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]
@@ -43,6 +44,7 @@ class Job:
     model: ModelFn | None = None
     data: DataFn | None = None
     loss: LossFn | None = None
+    tp_plan: Any = None  # {fqn: ParallelStyle} or (model, sequence_parallel) -> that; see parallel/tensor.py
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_reference_model(cfg: Config, vocab_size: int) -> GPT:
     m = cfg.model
     return GPT(GPTConfig(vocab_size=m.vocab_size or vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias))
+                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
+                         tie_embeddings=m.tie_embeddings))
 
 
 def build_data(cfg: Config, job: Job):
@@ -69,16 +72,40 @@ def build_data(cfg: Config, job: Job):
     return train, val, meta["vocab_size"]
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (GPT-2/nanoGPT convention)."""
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (GPT-2/nanoGPT convention). ``model`` may be the
+    list of this rank's pipeline stages."""
     o = cfg.optim
     decay, no_decay = [], []
+    if isinstance(model, list):
+        if len(model) > 1:
+            return OptimizerParts([build_optimizer(m, cfg) for m in model])
+        model = model[0]
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+class OptimizerParts(torch.optim.Optimizer):
+    """One AdamW per pipeline stage of this rank (interleaved schedules hold several), stepped
+    as one. Its ``param_groups`` are the stages' own group dicts, so one LR scheduler drives all."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        super().__init__([q for o in optimizers for g in o.param_groups for q in g["params"]],
+                         dict(optimizers[0].defaults))
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    def step(self, closure=None):  # noqa: D102 - the stages' optimizers step in turn
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:
@@ -95,8 +122,10 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
-def param_checksums(model: nn.Module) -> torch.Tensor:
-    return torch.stack([p.detach().double().sum() for p in model.parameters()])
+def param_checksums(params) -> torch.Tensor:
+    """One sum per parameter, of this rank's local shard for DTensors (TP/FSDP)."""
+    return torch.stack([(p.to_local() if hasattr(p, "to_local") else p).detach().double().sum()
+                        for p in params])
 
 
 class Trainer:
@@ -113,10 +142,30 @@ class Trainer:
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = job.loss or lm_loss
         self.strategy = build_sync(cfg.parallel.sync, bucket_mb=cfg.parallel.bucket_mb)
-        self.model = self.strategy.wrap(
-            parallelize(self.raw_model, mesh, bucket_mb=cfg.parallel.bucket_mb,
-                        replicate=not self.strategy.reconciles_replicas), mesh)
-        self.optimizer = build_optimizer(self.raw_model, cfg)
+        p = cfg.parallel
+        # Pipeline split first (the stages are what every later strategy cuts), then each part
+        # is parallelized in parallelize()'s order. Without pp there is one part: the model.
+        self.pipeline = None
+        parts = [self.raw_model]
+        if mesh.size("pp") > 1:
+            self.pipeline = build_pipeline(
+                self.raw_model, pp_rank=mesh.local_rank("pp"), pp_size=mesh.size("pp"),
+                group=mesh.group("pp"), schedule=p.pp_schedule,
+                n_microbatches=pp_microbatches(p, mesh.size("pp")),
+                stages_per_rank=pp_stages_per_rank(p),
+                split_points=[s.strip() for s in p.pp_split.split(",")] if p.pp_split else None)
+            parts = self.pipeline.modules
+            del self.raw_model  # the unsplit copy is not trained; free it
+        wrapped = [self.strategy.wrap(parallelize(
+            part, mesh, bucket_mb=p.bucket_mb, replicate=not self.strategy.reconciles_replicas,
+            sequence_parallel=p.tp_sequence_parallel, tp_plan=job.tp_plan), mesh) for part in parts]
+        self.parts = parts  # the parallelized modules (their parameters are the trained ones)
+        if self.pipeline is not None:
+            self.pipeline.modules = wrapped
+            self.pipeline.start(mesh.device, self.loss_fn)
+        self.raw_model = parts[0]
+        self.model = wrapped[0] if len(wrapped) == 1 else wrapped
+        self.optimizer = build_optimizer(parts, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)
         self.val_sampler = (GlobalSampler(len(self.val_ds), r.global_batch, cfg.data.seed + 1)
@@ -163,17 +212,49 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.val_sampler is None or self.cfg.data.eval_batches == 0:
             return None
-        self.raw_model.eval()
+        for part in self.parts:
+            part.eval()
         total = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad(), self.autocast():
             for b in range(self.cfg.data.eval_batches):
                 idx = self.val_sampler.local_micro_batches(b, self.mesh.dp_rank, self.mesh.dp_size, 1)[0]
                 x, y = self._to_device(collate(self.val_ds, idx))
-                total[0] += float(self.loss_fn(self.raw_model(x), y)) * len(idx)
-                total[1] += len(idx)
-        self.raw_model.train()
-        dist.all_reduce(total, group=self.mesh.dp_group)
+                loss = (self.pipeline.eval(x, y) if self.pipeline is not None
+                        else self.loss_fn(self.raw_model(x), y))
+                if self._reports_loss:
+                    total[0] += float(loss) * len(idx)
+                    total[1] += len(idx)
+        for part in self.parts:
+            part.train()
+        # one contribution per data-parallel rank: the last pipeline stage's, tp rank 0's
+        dist.all_reduce(total)
         return float(total[0] / total[1])
+
+    @property
+    def _reports_loss(self) -> bool:
+        """This rank holds the loss (last pipeline stage) and is the one of its tp group to report it."""
+        return (self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """One micro-batch; returns its scaled loss, or None on a rank without the last stage."""
+        if self.pipeline is not None:
+            # the schedule runs this rank's stages over parallel.pp_microbatches chunks
+            return self.pipeline.step(x, y, loss_scale=scale)
+        loss = self.loss_fn(self.model(x), y) * scale
+        loss.backward()
+        return loss.detach()
+
+    def _clip(self) -> torch.Tensor:
+        clip = self.cfg.optim.grad_clip
+        params = [q for part in self.parts for q in part.parameters()]
+        if self.pipeline is None and self.mesh.size("tp") == 1:
+            return torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
+        # the norm of the whole model: summed over tp shards and pipeline stages
+        pp_group = self.mesh.group("pp") if self.pipeline is not None else None
+        skip = self.pipeline.norm_duplicates() if self.pipeline is not None else set()
+        norm = global_grad_norm(params, pp_group=pp_group, skip=skip)
+        clip_grads(params, clip, norm)
+        return norm
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.cfg.run
@@ -186,24 +267,26 @@ class Trainer:
                 self.tokens_per_sample = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1
             with self.strategy.micro_step(self.model, last=i == len(micro) - 1):
                 with self.autocast():
-                    loss = self.loss_fn(self.model(x), y) / len(micro)
-                loss.backward()
-            loss_sum += loss.detach()
-        clip = self.cfg.optim.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip if clip > 0 else math.inf)
+                    loss = self._forward_backward(x, y, 1.0 / len(micro))
+            if loss is not None:
+                loss_sum += loss
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads()
+        gnorm = self._clip()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
 
     def check_replicas(self, step: int) -> None:
-        mine = param_checksums(self.raw_model).cpu()
+        named = [(n, q) for part in self.parts for n, q in part.named_parameters()]
+        mine = param_checksums([q for _, q in named]).cpu()
         gathered = [torch.empty_like(mine) for _ in range(self.mesh.dp_size)]
         dist.all_gather(gathered, mine, group=self.mesh.dp_group)
         for rank, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):
                 bad = int((other != gathered[0]).nonzero()[0])
-                name = [n for n, _ in self.raw_model.named_parameters()][bad]
+                name = named[bad][0]
                 raise RuntimeError(f"replicas diverged after step {step}: rank {rank}'s parameter "
                                    f"{name!r} differs from rank 0's")
 
@@ -248,12 +331,13 @@ class Trainer:
 
     def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
                   dt: float) -> dict[str, Any]:
-        """One small all_gather of (loss, step time) per logged step: mean loss, each rank's time."""
+        """One small all_gather of (loss, step time, reports loss) per logged step: the mean loss
+        of the ranks that hold one (last pipeline stage, tp rank 0), each rank's time."""
         mesh, r = self.mesh, self.cfg.run
-        mine = torch.tensor([float(loss_sum), dt], dtype=torch.float64)
+        mine = torch.tensor([float(loss_sum), dt, float(self._reports_loss)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
         dist.all_gather(gathered, mine)
-        losses = [float(g[0]) for g in gathered]
+        losses = [float(g[0]) for g in gathered if g[2] > 0]
         times = [float(g[1]) for g in gathered]
         step_time = max(times)
         samples_per_s = r.global_batch / step_time

@@ -14,15 +14,21 @@ import torch.nn as nn
 
 from allhands.mesh import Mesh
 from allhands.parallel.ddp import apply_ddp
+from allhands.parallel.tensor import PlanFn, TPPlan, apply_tp
 
 
 def parallelize(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0,
-                replicate: bool = True) -> nn.Module:
+                replicate: bool = True, sequence_parallel: bool = True,
+                tp_plan: TPPlan | PlanFn | None = None) -> nn.Module:
     """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order.
 
     ``replicate``: reconcile the data-parallel replicas every step here (DDP's all-reduce).
     A sync strategy that reconciles replicas itself (DiLoCo) passes False.
+    ``tp_plan``: the tensor-parallel plan when the model has no ``tp_plan`` method of its own.
+    Under pipeline parallelism ``model`` is one stage's module.
     """
+    if mesh.size("tp") > 1:
+        apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
     if replicate and mesh.dp_size > 1:
         model = apply_ddp(model, mesh, bucket_mb=bucket_mb)
     return model
