@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.errors import CheckpointError, first_line
@@ -35,18 +35,27 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 class ModelOptimState(Stateful):
-    """Model and optimizer through DCP's state_dict helpers (they strip DDP's ``module.``)."""
+    """Model and optimizer through DCP's state_dict helpers (they strip DDP's ``module.``,
+    activation checkpointing's wrapper names, and gather nothing: FSDP/TP shards stay DTensors
+    that DCP reshards on load).
+
+    Optimizer keys are flat (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): one entry per
+    parameter, whichever rank holds it, so a ZeRO-1 rank that owns only some parameters writes
+    exactly its entries and every layout reads every other's checkpoint.
+    """
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self.OPTIONS)
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self.OPTIONS)
 
 
 class TrainState(Stateful):

@@ -319,8 +319,6 @@ def _check_parallel(p: ParallelConfig) -> None:
     if p.dp_shard not in (1, -1) and p.zero == 0:
         raise ConfigError(f"parallel.zero: 0 (plain DDP) replicates everything, but parallel.dp_shard="
                           f"{p.dp_shard} asks to shard; set parallel.zero to 1, 2 or 3, or dp_shard=1")
-    if p.zero != 0:  # wired in the next commit (parallel/fsdp.py, parallel/zero1.py)
-        raise ConfigError(f"parallel.zero: {p.zero} is not supported yet; use 0")
     for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
         if getattr(p, dim) not in (1,):
             raise ConfigError(f"parallel.{dim}: {what} parallelism is not supported yet; use "

@@ -28,7 +28,10 @@ from allhands.errors import CheckpointError, ConfigError
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
 from allhands.models import GPT, GPTConfig
-from allhands.parallel import parallelize
+from allhands.export import load_weights
+from allhands.memory import local, log_memory, peak_memory, state_bytes
+from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
+from allhands.parallel.zero1 import optimizer_for_checkpoint
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]
@@ -96,7 +99,8 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
 
 
 def param_checksums(model: nn.Module) -> torch.Tensor:
-    return torch.stack([p.detach().double().sum() for p in model.parameters()])
+    """One float64 sum per parameter, over this rank's local shard of a DTensor."""
+    return torch.stack([local(p).detach().double().sum() for p in model.parameters()])
 
 
 class Trainer:
@@ -110,13 +114,25 @@ class Trainer:
         torch.manual_seed(r.seed)
         raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
         self.raw_model = raw.to(mesh.device)
+        if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
+            load_weights(self.raw_model, cfg.checkpoint.init_from)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = job.loss or lm_loss
-        self.strategy = build_sync(cfg.parallel.sync, bucket_mb=cfg.parallel.bucket_mb)
+        p = cfg.parallel
+        use_bf16 = r.precision == "bf16" or (r.precision == "auto" and mesh.device.type == "cuda")
+        # bf16 under FSDP is its MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction);
+        # replicated layouts use autocast over fp32 parameters.
+        fsdp_mp = use_bf16 and p.zero >= 2
+        self.strategy = build_sync(p.sync, bucket_mb=p.bucket_mb)
         self.model = self.strategy.wrap(
-            parallelize(self.raw_model, mesh, bucket_mb=cfg.parallel.bucket_mb,
+            parallelize(self.raw_model, mesh, zero=p.zero, ac=p.ac, bucket_mb=p.bucket_mb,
+                        param_dtype=torch.bfloat16 if fsdp_mp else None,
+                        reduce_dtype=(torch.float32 if p.reduce_dtype == "fp32" else torch.bfloat16)
+                        if fsdp_mp else None,
                         replicate=not self.strategy.reconciles_replicas), mesh)
         self.optimizer = build_optimizer(self.raw_model, cfg)
+        if p.zero == 1:
+            self.optimizer = apply_zero1(self.optimizer, mesh)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)
         self.val_sampler = (GlobalSampler(len(self.val_ds), r.global_batch, cfg.data.seed + 1)
@@ -125,14 +141,16 @@ class Trainer:
         self.rng_state = RNGState(mesh.rank)
         self.ckpt = Checkpointer(run_dir / "checkpoints", rank=mesh.rank,
                                  keep_last=cfg.checkpoint.keep_last)
-        use_bf16 = r.precision == "bf16" or (r.precision == "auto" and mesh.device.type == "cuda")
-        self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) if use_bf16 \
-            else contextlib.nullcontext
+        self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) \
+            if use_bf16 and not fsdp_mp else contextlib.nullcontext
+        self.memory: dict[str, int] | None = None
         self.tokens_per_sample: int | None = None
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
-        return {"model": ModelOptimState(self.model, self.optimizer), "scheduler": self.scheduler,
+        # ZeRO-1: the rank's local optimizer over the parameters it owns (see parallel/zero1.py).
+        optim = optimizer_for_checkpoint(self.optimizer)
+        return {"model": ModelOptimState(self.model, optim), "scheduler": self.scheduler,
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:
@@ -190,16 +208,20 @@ class Trainer:
                 loss.backward()
             loss_sum += loss.detach()
         clip = self.cfg.optim.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip if clip > 0 else math.inf)
+        gnorm = clip_grad_norm(self.raw_model.parameters(), clip if clip > 0 else math.inf)
         self.optimizer.step()
+        if self.memory is None:  # the first moment gradients and optimizer state both exist
+            self.memory = state_bytes(self.raw_model, self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
 
     def check_replicas(self, step: int) -> None:
+        # Sharded layouts (zero 2/3) hold equal shards only across dp_replicate.
+        dim = "dp_replicate" if self.cfg.parallel.zero >= 2 else "dp"
         mine = param_checksums(self.raw_model).cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.dp_size)]
-        dist.all_gather(gathered, mine, group=self.mesh.dp_group)
+        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size(dim))]
+        dist.all_gather(gathered, mine, group=self.mesh.group(dim))
         for rank, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):
                 bad = int((other != gathered[0]).nonzero()[0])
@@ -221,6 +243,7 @@ class Trainer:
             if ev is not None:
                 metrics.log({"step": 0, "eval_loss": ev})
         result: dict[str, Any] = {}
+        logged_memory = False
         try:
             while ts.step < r.steps:
                 t0 = time.perf_counter()
@@ -228,6 +251,9 @@ class Trainer:
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
+                if not logged_memory:
+                    logged_memory = log_memory(metrics, self.memory, self.raw_model, self.mesh,
+                                               zero=cfg.parallel.zero, step=ts.step)
                 if r.check_sync:
                     self.check_replicas(ts.step)
                 dt = time.perf_counter() - t0
@@ -250,7 +276,8 @@ class Trainer:
                   dt: float) -> dict[str, Any]:
         """One small all_gather of (loss, step time) per logged step: mean loss, each rank's time."""
         mesh, r = self.mesh, self.cfg.run
-        mine = torch.tensor([float(loss_sum), dt], dtype=torch.float64)
+        peak, peak_kind = peak_memory(mesh.device)
+        mine = torch.tensor([float(loss_sum), dt, peak], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
         dist.all_gather(gathered, mine)
         losses = [float(g[0]) for g in gathered]
@@ -263,6 +290,7 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
+            "peak_mem_bytes_rank": [int(g[2]) for g in gathered], "peak_mem_kind": peak_kind,
         }
         metrics.log(record)
         return record
