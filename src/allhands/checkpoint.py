@@ -35,17 +35,21 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 class ModelOptimState(Stateful):
-    """Model and optimizer through DCP's state_dict helpers (they strip DDP's ``module.``).
+    """Model and optimizer through DCP's state_dict helpers (they strip DDP's ``module.``,
+    activation checkpointing's wrapper names, and gather nothing: FSDP/TP shards stay DTensors
+    that DCP reshards on load).
 
-    ``model`` may be the list of this rank's pipeline stages, with ``optimizer.optimizers`` one
-    optimizer per stage (the helpers map parameters to FQNs one module at a time). Optimizer
-    state is flattened to one key per parameter (``state.<fqn>.exp_avg``,
-    ``param_groups.<fqn>.lr``), so it loads under any split of the model into stages.
+    Optimizer keys are flat (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): one entry per
+    parameter, whichever rank holds it, so a ZeRO-1 rank that owns only some parameters writes
+    exactly its entries and every layout reads every other's checkpoint.
     """
 
     OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def __init__(self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer):
+        # ``model`` may be the list of this rank's pipeline stages (interleaved schedules), with
+        # ``optimizer.optimizers`` one optimizer per stage: the helpers map parameters to FQNs
+        # one module at a time. Flat keys make the stages' entries disjoint.
         self.model, self.optimizer = model, optimizer
 
     def _parts(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:

@@ -107,6 +107,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from allhands.export import export_weights
+
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"export: {args.run_dir!r} is not a directory; pass a run directory")
+    out = export_weights(args.run_dir, args.out, step=args.step)
+    print(f"allhands: wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="allhands", description="Distributed training on torch.distributed.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -138,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of tokens")
     p.set_defaults(fn=cmd_prepare)
+
+    e = sub.add_parser("export", help="write a run's weights as one .safetensors file "
+                                      "(start a run from it with checkpoint.init_from)")
+    e.add_argument("run_dir")
+    e.add_argument("--out", required=True, help="output .safetensors file")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="draw PNG plots of a run")
     r.add_argument("run_dir")

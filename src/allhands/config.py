@@ -327,8 +327,6 @@ def _check_parallel(p: ParallelConfig) -> None:
     if p.dp_shard not in (1, -1) and p.zero == 0:
         raise ConfigError(f"parallel.zero: 0 (plain DDP) replicates everything, but parallel.dp_shard="
                           f"{p.dp_shard} asks to shard; set parallel.zero to 1, 2 or 3, or dp_shard=1")
-    if p.zero != 0:  # wired in the next commit (parallel/fsdp.py, parallel/zero1.py)
-        raise ConfigError(f"parallel.zero: {p.zero} is not supported yet; use 0")
     _check(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", f"allowed: {', '.join(PP_SCHEDULES)}",
            p.pp_schedule)
     _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", "must be >= 0 (0 = one per stage)",

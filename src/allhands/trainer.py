@@ -28,8 +28,11 @@ from allhands.errors import CheckpointError, ConfigError
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
 from allhands.models import GPT, GPTConfig
-from allhands.parallel import parallelize
+from allhands.export import load_weights
+from allhands.memory import local, log_memory, peak_memory, state_bytes
+from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
 from allhands.parallel.pipeline import build_pipeline, clip_grads, global_grad_norm
+from allhands.parallel.zero1 import optimizer_for_checkpoint
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]
@@ -99,7 +102,7 @@ class OptimizerParts(torch.optim.Optimizer):
                          dict(optimizers[0].defaults))
         self.param_groups = [g for o in optimizers for g in o.param_groups]
 
-    def step(self, closure=None):  # noqa: D102 - the stages' optimizers step in turn
+    def step(self, closure=None):  # the stages' optimizers step in turn
         for o in self.optimizers:
             o.step()
 
@@ -122,10 +125,9 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
-def param_checksums(params) -> torch.Tensor:
-    """One sum per parameter, of this rank's local shard for DTensors (TP/FSDP)."""
-    return torch.stack([(p.to_local() if hasattr(p, "to_local") else p).detach().double().sum()
-                        for p in params])
+def param_checksums(model: nn.Module) -> torch.Tensor:
+    """One float64 sum per parameter, over this rank's local shard of a DTensor."""
+    return torch.stack([local(p).detach().double().sum() for p in model.parameters()])
 
 
 class Trainer:
@@ -139,10 +141,16 @@ class Trainer:
         torch.manual_seed(r.seed)
         raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
         self.raw_model = raw.to(mesh.device)
+        if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
+            load_weights(self.raw_model, cfg.checkpoint.init_from)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = job.loss or lm_loss
-        self.strategy = build_sync(cfg.parallel.sync, bucket_mb=cfg.parallel.bucket_mb)
         p = cfg.parallel
+        use_bf16 = r.precision == "bf16" or (r.precision == "auto" and mesh.device.type == "cuda")
+        # bf16 under FSDP is its MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction);
+        # replicated layouts use autocast over fp32 parameters.
+        fsdp_mp = use_bf16 and p.zero >= 2
+        self.strategy = build_sync(p.sync, bucket_mb=p.bucket_mb)
         # Pipeline split first (the stages are what every later strategy cuts), then each part
         # is parallelized in parallelize()'s order. Without pp there is one part: the model.
         self.pipeline = None
@@ -156,16 +164,23 @@ class Trainer:
                 split_points=[s.strip() for s in p.pp_split.split(",")] if p.pp_split else None)
             parts = self.pipeline.modules
             del self.raw_model  # the unsplit copy is not trained; free it
-        wrapped = [self.strategy.wrap(parallelize(
-            part, mesh, bucket_mb=p.bucket_mb, replicate=not self.strategy.reconciles_replicas,
-            sequence_parallel=p.tp_sequence_parallel, tp_plan=job.tp_plan), mesh) for part in parts]
-        self.parts = parts  # the parallelized modules (their parameters are the trained ones)
+        wrapped = [self.strategy.wrap(
+            parallelize(part, mesh, zero=p.zero, ac=p.ac, bucket_mb=p.bucket_mb,
+                        param_dtype=torch.bfloat16 if fsdp_mp else None,
+                        reduce_dtype=(torch.float32 if p.reduce_dtype == "fp32" else torch.bfloat16)
+                        if fsdp_mp else None,
+                        replicate=not self.strategy.reconciles_replicas,
+                        sequence_parallel=p.tp_sequence_parallel, tp_plan=job.tp_plan), mesh)
+            for part in parts]
+        self.parts = parts  # parallelized in place: their parameters are the trained ones
         if self.pipeline is not None:
             self.pipeline.modules = wrapped
             self.pipeline.start(mesh.device, self.loss_fn)
         self.raw_model = parts[0]
         self.model = wrapped[0] if len(wrapped) == 1 else wrapped
         self.optimizer = build_optimizer(parts, cfg)
+        if p.zero == 1:
+            self.optimizer = apply_zero1(self.optimizer, mesh)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)
         self.val_sampler = (GlobalSampler(len(self.val_ds), r.global_batch, cfg.data.seed + 1)
@@ -174,14 +189,16 @@ class Trainer:
         self.rng_state = RNGState(mesh.rank)
         self.ckpt = Checkpointer(run_dir / "checkpoints", rank=mesh.rank,
                                  keep_last=cfg.checkpoint.keep_last)
-        use_bf16 = r.precision == "bf16" or (r.precision == "auto" and mesh.device.type == "cuda")
-        self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) if use_bf16 \
-            else contextlib.nullcontext
+        self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) \
+            if use_bf16 and not fsdp_mp else contextlib.nullcontext
+        self.memory: dict[str, int] | None = None
         self.tokens_per_sample: int | None = None
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
-        return {"model": ModelOptimState(self.model, self.optimizer), "scheduler": self.scheduler,
+        # ZeRO-1: the rank's local optimizer over the parameters it owns (see parallel/zero1.py).
+        optim = optimizer_for_checkpoint(self.optimizer)
+        return {"model": ModelOptimState(self.model, optim), "scheduler": self.scheduler,
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:
@@ -226,7 +243,7 @@ class Trainer:
                     total[1] += len(idx)
         for part in self.parts:
             part.train()
-        # one contribution per data-parallel rank: the last pipeline stage's, tp rank 0's
+        # one contribution per data-parallel rank: its last pipeline stage's, from tp rank 0
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
@@ -248,8 +265,8 @@ class Trainer:
         clip = self.cfg.optim.grad_clip
         params = [q for part in self.parts for q in part.parameters()]
         if self.pipeline is None and self.mesh.size("tp") == 1:
-            return torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
-        # the norm of the whole model: summed over tp shards and pipeline stages
+            return clip_grad_norm(params, clip if clip > 0 else math.inf)
+        # the norm of the whole model: over tp/FSDP shards (mixed meshes) and pipeline stages
         pp_group = self.mesh.group("pp") if self.pipeline is not None else None
         skip = self.pipeline.norm_duplicates() if self.pipeline is not None else set()
         norm = global_grad_norm(params, pp_group=pp_group, skip=skip)
@@ -274,19 +291,22 @@ class Trainer:
             self.pipeline.sync_tied_grads()
         gnorm = self._clip()
         self.optimizer.step()
+        if self.memory is None:  # the first moment gradients and optimizer state both exist
+            self.memory = state_bytes(self.raw_model, self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
 
     def check_replicas(self, step: int) -> None:
-        named = [(n, q) for part in self.parts for n, q in part.named_parameters()]
-        mine = param_checksums([q for _, q in named]).cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.dp_size)]
-        dist.all_gather(gathered, mine, group=self.mesh.dp_group)
+        # Sharded layouts (zero 2/3) hold equal shards only across dp_replicate.
+        dim = "dp_replicate" if self.cfg.parallel.zero >= 2 else "dp"
+        mine = torch.cat([param_checksums(part) for part in self.parts]).cpu()
+        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size(dim))]
+        dist.all_gather(gathered, mine, group=self.mesh.group(dim))
         for rank, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):
                 bad = int((other != gathered[0]).nonzero()[0])
-                name = named[bad][0]
+                name = [n for part in self.parts for n, _ in part.named_parameters()][bad]
                 raise RuntimeError(f"replicas diverged after step {step}: rank {rank}'s parameter "
                                    f"{name!r} differs from rank 0's")
 
@@ -304,6 +324,7 @@ class Trainer:
             if ev is not None:
                 metrics.log({"step": 0, "eval_loss": ev})
         result: dict[str, Any] = {}
+        logged_memory = False
         try:
             while ts.step < r.steps:
                 t0 = time.perf_counter()
@@ -311,6 +332,9 @@ class Trainer:
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
+                if not logged_memory:
+                    logged_memory = log_memory(metrics, self.memory, self.raw_model, self.mesh,
+                                               zero=cfg.parallel.zero, step=ts.step)
                 if r.check_sync:
                     self.check_replicas(ts.step)
                 dt = time.perf_counter() - t0
@@ -331,13 +355,15 @@ class Trainer:
 
     def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
                   dt: float) -> dict[str, Any]:
-        """One small all_gather of (loss, step time, reports loss) per logged step: the mean loss
-        of the ranks that hold one (last pipeline stage, tp rank 0), each rank's time."""
+        """One small all_gather of (loss, step time, peak memory, holds a loss) per logged step:
+        the mean loss of the ranks that hold one (last pipeline stage, tp rank 0), each rank's
+        time and memory."""
         mesh, r = self.mesh, self.cfg.run
-        mine = torch.tensor([float(loss_sum), dt, float(self._reports_loss)], dtype=torch.float64)
+        peak, peak_kind = peak_memory(mesh.device)
+        mine = torch.tensor([float(loss_sum), dt, peak, float(self._reports_loss)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
         dist.all_gather(gathered, mine)
-        losses = [float(g[0]) for g in gathered if g[2] > 0]
+        losses = [float(g[0]) for g in gathered if g[3] > 0]
         times = [float(g[1]) for g in gathered]
         step_time = max(times)
         samples_per_s = r.global_batch / step_time
@@ -347,6 +373,7 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
+            "peak_mem_bytes_rank": [int(g[2]) for g in gathered], "peak_mem_kind": peak_kind,
         }
         metrics.log(record)
         return record

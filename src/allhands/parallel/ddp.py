@@ -8,12 +8,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from allhands.mesh import Mesh
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0) -> DDP:
-    """Wrap ``model`` (already on ``mesh.device``) in DDP over the data-parallel group (dp_replicate x dp_shard).
+def apply_ddp(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0, over: str = "dp") -> DDP:
+    """Wrap ``model`` (already on ``mesh.device``) in DDP over the mesh dim ``over``: by default
+    ``dp``, all data-parallel ranks (dp_replicate x dp_shard).
 
     DDP broadcasts rank 0's parameters at construction, so replicas start identical even if a
     user's builder was not seeded.
     """
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, process_group=mesh.dp_group,
+    return DDP(model, device_ids=device_ids, process_group=mesh.group(over),
                bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)

@@ -3,32 +3,82 @@
 Order (torchtitan's ``parallelize_llama``): tensor parallel -> activation checkpointing ->
 data parallel (FSDP2 for ZeRO-2/3 and hybrid sharding, else DDP). TP first because it replaces
 parameters with DTensors on the ``tp`` mesh that FSDP then shards again over ``dp_shard``; AC
-before FSDP so that FSDP's all-gather hooks wrap the checkpointed block and are re-run on
-recompute; DDP last because it must see the final parameters. The pipeline split (issue 3, pp)
-happens before all of them, on the stage's module.
+before FSDP so that each FSDP unit is a checkpointed block and its all-gather runs again on
+recompute; DDP last because it must see the final parameters. The pipeline split (pp) happens
+before all of them, on each stage's module. ZeRO-1 is an optimizer wrapper
+(``parallel/zero1.py``), applied by the trainer after the optimizer exists.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Iterable
+
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from allhands.mesh import Mesh
+from allhands.parallel.ac import apply_ac
 from allhands.parallel.ddp import apply_ddp
+from allhands.parallel.fsdp import apply_fsdp
 from allhands.parallel.tensor import PlanFn, TPPlan, apply_tp
 
 
-def parallelize(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0,
-                replicate: bool = True, sequence_parallel: bool = True,
-                tp_plan: TPPlan | PlanFn | None = None) -> nn.Module:
-    """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order.
+def transformer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | None:
+    """The repeated blocks of a model: its first ``nn.ModuleList`` or ``nn.ModuleDict`` in
+    module order (GPT.blocks, a Hugging Face ``layers``/``h``). They are the units of activation
+    checkpointing and of FSDP's all-gathers; a model without one is checkpointed/sharded as a
+    whole. A pipeline stage holds the subset of entries of its stage, under their original keys."""
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
+            return module
+    return None
 
-    ``replicate``: reconcile the data-parallel replicas every step here (DDP's all-reduce).
-    A sync strategy that reconciles replicas itself (DiLoCo) passes False.
-    ``tp_plan``: the tensor-parallel plan when the model has no ``tp_plan`` method of its own.
-    Under pipeline parallelism ``model`` is one stage's module.
+
+def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none",
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                bucket_mb: float = 25.0, replicate: bool = True, sequence_parallel: bool = True,
+                tp_plan: TPPlan | PlanFn | None = None) -> nn.Module:
+    """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order and
+    return the module the loop runs forward/backward on.
+
+    ``zero``: 0/1 replicate parameters and gradients (DDP); 2/3 shard them with FSDP2 over
+    ``dp_shard`` (see fsdp.py). ``param_dtype``/``reduce_dtype``: FSDP2's mixed-precision policy
+    (zero 2/3 only; replicated layouts use autocast). ``replicate``: reconcile the data-parallel
+    replicas every step here (DDP's all-reduce, FSDP's hybrid all-reduce); a sync strategy that
+    reconciles replicas itself (DiLoCo) passes False and only dp_shard is covered here.
+    ``sequence_parallel``/``tp_plan``: tensor parallelism over ``tp`` (see tensor.py; the plan
+    defaults to the model's ``tp_plan`` method). Under pp, ``model`` is one pipeline stage.
     """
     if mesh.size("tp") > 1:
         apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
-    if replicate and mesh.dp_size > 1:
-        model = apply_ddp(model, mesh, bucket_mb=bucket_mb)
+    blocks = transformer_blocks(model)
+    if ac != "none":
+        if blocks is None:
+            raise ValueError("parallel.ac needs a model with an nn.ModuleList of blocks")
+        apply_ac(model, blocks=blocks, mode=ac)
+    if zero >= 2:
+        return apply_fsdp(model, mesh, blocks=list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ()), reshard_after_forward=zero == 3,
+                          hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ranks = mesh.dp_size if replicate else mesh.size("dp_shard")
+    if ranks > 1:
+        return apply_ddp(model, mesh, bucket_mb=bucket_mb, over="dp" if replicate else "dp_shard")
     return model
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm over plain tensors and DTensors (FSDP shards, TP).
+
+    For a sharded gradient the local norm is a partial; ``full_tensor()`` reduces it over the
+    shard group so every rank clips by the norm of the whole gradient, as one process would.
+    ``max_norm`` 0 or inf only measures. Returns the total norm (a plain tensor).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm and math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

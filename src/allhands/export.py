@@ -1,0 +1,98 @@
+"""Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``
+and ``checkpoint.init_from = "model.safetensors"``.
+
+Export needs neither processes nor the model's code: the checkpoint's DCP metadata lists every
+model tensor with its global shape and dtype, so empty tensors of those shapes are allocated and
+DCP fills them from whatever layout wrote the checkpoint (shards of FSDP, TP, ZeRO-1 or plain
+replicas), in this one process. The result is ``{fqn: tensor}`` with the single-device module's
+parameter names, the format ``nn.Module.load_state_dict`` and Hugging Face tools read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from allhands.checkpoint import committed
+from allhands.errors import CheckpointError, ConfigError
+from allhands.security import SafeFileSystemReader, verify_manifest
+
+# ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
+_PREFIX = "model.model."
+
+
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full model tensors of the committed checkpoint directory ``path``."""
+    verify_manifest(path)
+    reader = SafeFileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    sd = {k[len(_PREFIX):]: torch.empty(m.size, dtype=m.properties.dtype)
+          for k, m in meta.items() if k.startswith(_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    if not sd:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors; it was not written "
+                              f"by `allhands train`")
+    dcp.load({"model": {"model": sd}}, storage_reader=SafeFileSystemReader(path),
+             no_dist=not dist.is_initialized())
+    return sd
+
+
+def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None) -> Path:
+    """Write the model weights of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out``."""
+    from safetensors.torch import save_file
+
+    found = committed(Path(run_dir) / "checkpoints")
+    if not found:
+        raise ConfigError(f"export: {str(run_dir)!r} has no committed checkpoint; pass a run "
+                          f"directory of `allhands train` that saved one")
+    if step is not None:
+        found = [(s, p) for s, p in found if s == step]
+        if not found:
+            raise ConfigError(f"--step: {str(run_dir)!r} has no committed checkpoint at step {step}")
+    saved_step, path = found[-1]
+    sd = checkpoint_weights(path)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp),
+              metadata={"format": "pt", "allhands_step": str(saved_step)})
+    os.replace(tmp, out)  # a reader never sees half a file
+    return out
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Copy a .safetensors file's tensors into a plain (not yet parallelized) ``model``; every
+    parameter and buffer must be there with its shape."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        sd = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"checkpoint.init_from: {str(path)!r} is not a readable .safetensors "
+                              f"file ({e}); pass a file written by `allhands export`") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shapes = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {missing[0]!r})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]!r})")
+        if shapes:
+            k = shapes[0]
+            parts.append(f"{len(shapes)} of another shape (e.g. {k!r}: file {tuple(sd[k].shape)}, "
+                         f"model {tuple(own[k].shape)})")
+        raise CheckpointError(f"checkpoint.init_from: {str(path)!r} does not fit the model: "
+                              f"{', '.join(parts)} tensors; use the model config it was exported from")
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(sd[k])
+    return model
