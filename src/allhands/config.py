@@ -388,6 +388,10 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
         if m.n_head % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.n_head={m.n_head}; heads are split "
                               f"evenly over tp ranks, use a divisor of {m.n_head}")
+        if p.zero < 2 and sizes["dp_replicate"] * sizes["dp_shard"] > 1:
+            raise ConfigError(f"parallel.zero: {p.zero} replicates over DDP, which cannot hold the tp-"
+                              f"sharded (DTensor) parameters; with parallel.tp={tp} use parallel.zero=2 or 3 "
+                              f"(FSDP composes with tp), or no data parallelism")
         if p.tp_sequence_parallel and m.seq_len % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.seq_len={m.seq_len}, which sequence "
                               f"parallelism shards; change one or set parallel.tp_sequence_parallel=false")

@@ -318,11 +318,13 @@ class Trainer:
                                 start_step=ts.step, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
         if resumed:
-            metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir}")
-        else:
-            ev = self.evaluate()
-            if ev is not None:
-                metrics.log({"step": 0, "eval_loss": ev})
+            metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
+                            f"({mesh.describe()})")
+        # Also right after a resume: the checkpoint's eval loss under this layout, which must
+        # equal the one logged when it was saved, under any other layout (DCP reshards).
+        ev = self.evaluate()
+        if ev is not None:
+            metrics.log({"step": ts.step, "eval_loss": ev, **({"resumed": True} if resumed else {})})
         result: dict[str, Any] = {}
         logged_memory = False
         try:
