@@ -152,13 +152,15 @@ class Pipeline:
                   for m, s in zip(self.modules, self.stage_ids)]
 
         def scaled_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            # the schedule divides gradients by the microbatch count (scale_grads=True); the
-            # trainer's gradient accumulation divides by its count through loss_scale.
-            return loss_fn(out, target) * self.loss_scale
+            # Mean over equal microbatches = the batch mean the single process takes. Scaling
+            # the loss, not the gradients: with scale_grads=True the schedule would divide every
+            # .grad after each step, including what earlier accumulation steps left there.
+            return loss_fn(out, target) * (self.loss_scale / self.n_microbatches)
 
         cls = SCHEDULES[self.schedule_name]
         arg = stages if self.schedule_name in MULTI_STAGE else stages[0]
-        self.schedule = cls(arg, n_microbatches=self.n_microbatches, loss_fn=scaled_loss)
+        self.schedule = cls(arg, n_microbatches=self.n_microbatches, loss_fn=scaled_loss,
+                            scale_grads=False)
 
     def _call(self, run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -167,8 +169,7 @@ class Pipeline:
         run(*args, target=target, losses=losses if self.has_last else None)
         if not self.has_last:
             return None
-        # mean over equal microbatches = mean over the batch (the reference's loss)
-        return torch.stack([l.detach() for l in losses]).mean()
+        return torch.stack([l.detach() for l in losses]).sum()  # each already / n_microbatches
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
         """Forward and backward of one batch in microbatches; the loss on the last stage's rank,
