@@ -46,11 +46,16 @@ class ModelOptimState(Stateful):
 
     OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 aliases: dict[str, str] | None = None):
         # ``model`` may be the list of this rank's pipeline stages (interleaved schedules), with
         # ``optimizer.optimizers`` one optimizer per stage: the helpers map parameters to FQNs
         # one module at a time. Flat keys make the stages' entries disjoint.
+        # ``aliases``: optimizer-state names of tied copies, {local FQN: the unsplit model's FQN}
+        # (the last pipeline stage's ``lm_head.weight`` is ``tok_emb.weight`` in one module,
+        # which keys a shared parameter's state by its first name).
         self.model, self.optimizer = model, optimizer
+        self.aliases = aliases or {}
 
     def _parts(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
         if isinstance(self.model, list):
@@ -63,18 +68,31 @@ class ModelOptimState(Stateful):
         for model, optim in self._parts():
             m, o = get_state_dict(model, optim, options=self.OPTIONS)
             msd.update(m)
-            osd.update(o)
+            osd.update(_rename_optim_keys(o, self.aliases))
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         parts = self._parts()
+        back = {v: k for k, v in self.aliases.items()}
         for model, optim in parts:
-            msd, osd = state["model"], state["optim"]
+            msd, osd = state["model"], _rename_optim_keys(state["optim"], back)
             if len(parts) > 1:  # each stage takes its own keys (strict loading stays on)
                 mine = set(get_state_dict(model, optim, options=self.OPTIONS)[0])
                 msd = {k: v for k, v in msd.items() if k in mine}
                 osd = {k: v for k, v in osd.items() if k.split(".", 1)[1].rsplit(".", 1)[0] in mine}
             set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=self.OPTIONS)
+
+
+def _rename_optim_keys(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``state.<fqn>.<leaf>`` / ``param_groups.<fqn>.<leaf>`` with ``fqn`` renamed by ``names``."""
+    if not names:
+        return osd
+    out = {}
+    for key, value in osd.items():
+        kind, rest = key.split(".", 1)
+        fqn, leaf = rest.rsplit(".", 1)
+        out[f"{kind}.{names.get(fqn, fqn)}.{leaf}"] = value
+    return out
 
 
 class TrainState(Stateful):

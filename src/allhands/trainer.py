@@ -198,7 +198,8 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         # ZeRO-1: the rank's local optimizer over the parameters it owns (see parallel/zero1.py).
         optim = optimizer_for_checkpoint(self.optimizer)
-        return {"model": ModelOptimState(self.model, optim), "scheduler": self.scheduler,
+        aliases = self.pipeline.optimizer_aliases() if self.pipeline is not None else None
+        return {"model": ModelOptimState(self.model, optim, aliases), "scheduler": self.scheduler,
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:

@@ -207,6 +207,19 @@ class Pipeline:
             for s2, fqn2 in holders[1:]:
                 _param(self.modules[self.stage_ids.index(s2)], fqn2).grad.copy_(grad)
 
+    def optimizer_aliases(self) -> dict[str, str]:
+        """{FQN of a tied copy on this rank: the FQN the unsplit model keys its optimizer state
+        by (the first stage's)}, for copies whose first-stage twin lives on another rank."""
+        out = {}
+        for group in self.tied:
+            first_stage, first_fqn = group[0]
+            if first_stage in self.stage_ids:
+                continue
+            for s, fqn in group[1:]:
+                if s in self.stage_ids:
+                    out[fqn] = first_fqn
+        return out
+
     def norm_duplicates(self) -> set[int]:
         """ids of parameters whose gradient is counted on another stage (the last copies)."""
         skip = set()

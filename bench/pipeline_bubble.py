@@ -1,0 +1,177 @@
+"""Pipeline bubble and the step-time cost of tensor/pipeline layouts, on 2 gloo ranks.
+
+1. Bubble. The reference GPT cut into p=2 stages (``allhands.parallel.pipeline``), the 1F1B and
+   GPipe schedules over m = 2, 4, 8 microbatches of a fixed size. Each stage's busy time is the
+   time spent inside its ``forward_one_chunk`` / ``backward_one_chunk`` calls (compute only; the
+   schedule waits for activations and gradients outside them); idle = step wall time - busy.
+   The bubble formula (GPipe paper, Huang et al. 2019; Narayanan et al. 2021 for 1F1B) says the
+   idle time is (p-1)/m of the ideal (busy) time, so the figure per stage is
+   ``(idle / busy) / ((p-1)/m)``: 1.0 means the bubble is exactly what theory predicts; more
+   means extra idle time (p2p transfers, unequal stages: the first stage holds the embedding,
+   the last the head and the loss).
+
+2. Step time of tp=2 and pp=2 (1F1B, m=4) relative to plain DDP (dp=2) on the same model, same
+   global batch, same 2 processes: the three layouts alternate in rounds inside the same
+   workers (a mesh per layout), so machine noise hits all alike; median step time per round.
+
+    python bench/pipeline_bubble.py [--rounds 3] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=192, seq_len=128)
+MICRO = 4  # samples per pipeline microbatch in the bubble part
+LAYOUTS = {
+    "ddp": ["parallel.dp_replicate=2"],
+    "tp2": ["parallel.dp_replicate=1", "parallel.tp=2"],
+    "pp2": ["parallel.dp_replicate=1", "parallel.pp=2", "parallel.pp_microbatches=4"],
+}
+
+
+def bubble(mesh, steps: int) -> dict:
+    """Per (schedule, m): each stage's busy seconds and the wall seconds of the timed steps."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from allhands.models import GPT, GPTConfig
+    from allhands.parallel.pipeline import build_pipeline
+
+    out = {}
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(vocab_size=257, **MODEL))
+    pp_mesh = mesh.device_mesh["pp"]
+    for schedule in ("1f1b", "gpipe"):
+        for m in (2, 4, 8):
+            pipe = build_pipeline(copy.deepcopy(full), pp_rank=pp_mesh.get_local_rank(), pp_size=2,
+                                  group=pp_mesh.get_group(), schedule=schedule, n_microbatches=m)
+            pipe.start(mesh.device, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()))
+            stage = pipe.schedule._stage
+            busy = [0.0]
+
+            def timed(fn):
+                def wrapper(*a, **k):
+                    t = time.perf_counter()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        busy[0] += time.perf_counter() - t
+                return wrapper
+
+            stage.forward_one_chunk = timed(stage.forward_one_chunk)
+            stage.backward_one_chunk = timed(stage.backward_one_chunk)
+            g = torch.Generator().manual_seed(1)
+            x = torch.randint(0, 257, (m * MICRO, MODEL["seq_len"]), generator=g)
+            walls, busies = [], []
+            for i in range(steps + 2):  # two warm-up steps (shape inference, allocator)
+                torch.distributed.barrier(group=pp_mesh.get_group())
+                busy[0] = 0.0
+                t0 = time.perf_counter()
+                pipe.step(x, x)
+                for mod in pipe.modules:
+                    mod.zero_grad(set_to_none=True)
+                if i >= 2:
+                    walls.append(time.perf_counter() - t0)
+                    busies.append(busy[0])
+            out[f"{schedule}/{m}"] = {"wall": sum(walls), "busy": sum(busies)}
+    return out
+
+
+def layout_steps(cfg_dict: dict, extra: list[str], run_dir: Path, env) -> list[float]:
+    from allhands.config import Config, apply_override
+    from allhands.mesh import Mesh
+    from allhands.trainer import Job, Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    for item in extra:
+        apply_override(cfg, item)
+    cfg.run.dir = str(run_dir)
+    p = cfg.parallel
+    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                      device="cpu", backend="gloo", dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+                      tp=p.tp, pp=p.pp, timeout_s=120)
+    Trainer(cfg, Job(), mesh, run_dir).fit()
+    if mesh.rank != 0:
+        return []
+    stamps = [json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> None:
+    import torch
+
+    from allhands.launch import worker_env
+    from allhands.mesh import Mesh
+
+    torch.set_num_threads(1)
+    env = worker_env()
+    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
+                      backend="gloo", dp_replicate=1, pp=2, timeout_s=120)
+    result = {"bubble": bubble(mesh, steps), "layouts": {k: [] for k in LAYOUTS}}
+    rank_bubbles = [None] * env.world_size
+    torch.distributed.all_gather_object(rank_bubbles, result["bubble"])
+    result["bubble"] = rank_bubbles
+    for r in range(rounds):
+        for name, extra in LAYOUTS.items():
+            run_dir = Path(out, f"{name}-{r}")
+            run_dir.mkdir(exist_ok=True)
+            times = layout_steps(cfg_dict, extra, run_dir, env)
+            if env.rank == 0:
+                result["layouts"][name].append(statistics.median(times[2:]))
+    if env.rank == 0:
+        Path(out, "result.json").write_text(json.dumps(result))
+    mesh.destroy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+
+    from allhands.config import load_config
+    from allhands.launch import LaunchSpec, launch, resolve_run
+
+    out = tempfile.mkdtemp(prefix="allhands-bench-pipeline-")
+    model = [f"model.{k}={v}" for k, v in MODEL.items()]
+    cfg = load_config(overrides=[*model, f"run.steps={args.steps}", "run.global_batch=16",
+                                 "run.eval_interval=0", "data.eval_batches=0", "checkpoint.interval=0",
+                                 "checkpoint.at_end=false", "log.progress=false",
+                                 "log.tensorboard=false", f"run.dir={out}/resolve", "run.threads=1"])
+    cfg = resolve_run(cfg, resume=None, world_size=2)
+    launch(worker, (cfg.to_dict(), args.rounds, args.steps, out), LaunchSpec(nproc=2), threads=1)
+    res = json.loads(Path(out, "result.json").read_text())
+    p = 2
+    print(f"p={p} stages, {MICRO} samples x seq {MODEL['seq_len']} per microbatch, model "
+          + " ".join(f"{k}={v}" for k, v in MODEL.items()) + f", {args.steps} timed steps")
+    print("schedule  m  (p-1)/m  stage: idle/busy  ratio to (p-1)/m")
+    for key in res["bubble"][0]:
+        schedule, m = key.split("/")
+        theory = (p - 1) / int(m)
+        cells = []
+        for stage, per_rank in enumerate(res["bubble"]):
+            b = per_rank[key]
+            idle = (b["wall"] - b["busy"]) / b["busy"]
+            cells.append(f"s{stage}: {idle:.3f} -> {idle / theory:.2f}")
+        print(f"{schedule:8s} {m:>2s}  {theory:.3f}   " + "   ".join(cells))
+    lay = {k: statistics.median(v) for k, v in res["layouts"].items()}
+    print(f"rounds={args.rounds} global_batch=16, median step (s) per round: "
+          + "; ".join(f"{k} " + " ".join(f"{v:.3f}" for v in res['layouts'][k]) for k in lay))
+    print(f"step-time ratio tp2/ddp = {lay['tp2'] / lay['ddp']:.2f}, pp2/ddp = {lay['pp2'] / lay['ddp']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
