@@ -130,7 +130,7 @@ def worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> None:
             run_dir.mkdir(exist_ok=True)
             times = layout_steps(cfg_dict, extra, run_dir, env)
             if env.rank == 0:
-                result["layouts"][name].append(statistics.median(times[2:]))
+                result["layouts"][name].append(statistics.median(times[2:] or times))
     if env.rank == 0:
         Path(out, "result.json").write_text(json.dumps(result))
     mesh.destroy()

@@ -141,6 +141,14 @@ def test_user_model_splits_at_named_points_and_keeps_list_keys():
     second = build_stage_module(model, per_stage[1])
     assert set(second.state_dict()) == {"layers.1.weight", "layers.1.bias", "layers.2.weight",
                                         "layers.2.bias"}
+    # a plain nn.Sequential splits with no changes to the model: its stages chain to the whole
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    parts = [build_stage_module(seq, keep) for keep in stage_units(seq, ["2", "4"], 3)]
+    assert [set(p.state_dict()) for p in parts] == [{"0.weight", "0.bias"}, {"2.weight", "2.bias"},
+                                                    {"4.weight", "4.bias"}]
+    x = torch.randn(3, 4)
+    assert torch.allclose(parts[2](parts[1](parts[0](x))), seq(x))
     with pytest.raises(ValueError, match=r"parallel.pp_split: 'layers.7' is not a unit"):
         stage_units(model, ["layers.7"], 2)
     with pytest.raises(ValueError, match=r"parallel.pp_split: 3 pipeline stages need 2 split points"):

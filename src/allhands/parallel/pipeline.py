@@ -6,7 +6,8 @@ entries (GPT: ``tok_emb, pos_emb, drop, blocks.0 .. blocks.L-1, ln_f, lm_head``)
 are the FQNs of the units that begin stages 1, 2, ...; the reference GPT computes balanced
 ones (``GPT.pipeline_split_points``), a user model names them (``parallel.pp_split``). A stage
 is a deep copy of the whole model with every unit of the other stages deleted: an attribute
-becomes ``None`` and a container entry is removed *by key*, so the remaining parameters keep
+becomes ``None`` and a container entry (also a top-level ``nn.Sequential``'s) is removed *by
+key*, so the remaining parameters keep
 their FQNs and a stage's state dict is a subset of the full model's; one DCP checkpoint loads
 under any pp degree. The model's ``forward`` must therefore skip absent parts (see
 ``GPT.forward``) and a stage's input is the previous stage's output.
@@ -75,11 +76,16 @@ def stage_units(model: nn.Module, points: list[str], n_stages: int) -> list[list
     return [all_units[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def _delete_unit(model: nn.Module, unit: str) -> None:
     parent_name, _, key = unit.rpartition(".")
-    if parent_name:
-        # by key, so the remaining entries keep their FQNs ("blocks.3" stays "blocks.3")
-        del model.get_submodule(parent_name)._modules[key]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if parent_name or isinstance(model, _CONTAINERS):
+        # by key, so the remaining entries keep their FQNs ("blocks.3" stays "blocks.3") and a
+        # container's own forward (nn.Sequential's loop) runs just what is left
+        del parent._modules[key]
     else:
         setattr(model, key, None)
 
