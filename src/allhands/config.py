@@ -427,10 +427,6 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     if p.pp_schedule == "interleaved1f1b" and mb % max(1, mb // pp):
         raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
                           f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
-    if m.tie_embeddings and pp > 2 and not p.pp_split:
-        raise ConfigError(f"model.tie_embeddings: the tied embedding and head live on the first and last "
-                          f"of {pp} pipeline ranks, which is supported for parallel.pp=2 only; set "
-                          f"model.tie_embeddings=false or parallel.pp=2")
 
 
 # --------------------------------------------------------------------------- output

@@ -115,6 +115,15 @@ class Mesh:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def pp_ends_group(self) -> dist.ProcessGroup | None:
+        """The two ranks holding the first and the last pipeline stage with this rank's other
+        coordinates, where tied embedding gradients are summed (Megatron-LM's embedding group);
+        None on a middle stage. Collective: every rank calls it, once."""
+        grid = self.device_mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
+        pairs = [[int(a), int(b)] for a, b in zip(grid[0].flatten(), grid[-1].flatten())]
+        mine, _ = dist.new_subgroups_by_enumeration(pairs)
+        return mine
+
     def describe(self) -> str:
         return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS)
 

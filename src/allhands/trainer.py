@@ -161,7 +161,8 @@ class Trainer:
                 group=mesh.group("pp"), schedule=p.pp_schedule,
                 n_microbatches=pp_microbatches(p, mesh.size("pp")),
                 stages_per_rank=pp_stages_per_rank(p),
-                split_points=[s.strip() for s in p.pp_split.split(",")] if p.pp_split else None)
+                split_points=[s.strip() for s in p.pp_split.split(",")] if p.pp_split else None,
+                tied_group=mesh.pp_ends_group() if mesh.size("pp") > 2 else None)
             parts = self.pipeline.modules
             del self.raw_model  # the unsplit copy is not trained; free it
         wrapped = [self.strategy.wrap(

@@ -269,9 +269,10 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     per_stage = stage_units(model, split_points, n_stages)
     ids = stage_ids_of(pp_rank, pp_size, stages_per_rank)
     tied = tied_across_stages(model, per_stage)
-    if tied and pp_size > 2 and tied_group is None:
-        raise ValueError("model.tie_embeddings: tied parameters on the first and last stage need "
-                         "a group of those two ranks when pp > 2")
+    holds_tied = any(s in ids for group in tied for s, _ in group)
+    if holds_tied and pp_size > 2 and tied_group is None:
+        raise ValueError("tied parameters on the first and last stage need tied_group, the group of "
+                         "those two ranks (Mesh.pp_ends_group), when pp > 2")
     modules = [build_stage_module(model, per_stage[s]) for s in ids]
     return Pipeline(modules, ids, n_stages, pp_rank, pp_size, schedule, n_microbatches, group,
                     tied=tied, tied_group=tied_group)
