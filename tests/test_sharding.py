@@ -20,11 +20,13 @@ from test_parity import max_rel_diff, reference_params, trained_params
 # shard, a missing reduction, a mis-scaled clip) shows up at 1e-2 or more.
 TOL = 1e-5
 
+# Activation checkpointing rides along: recomputing a block must not change its gradients.
 LAYOUTS = {
     "zero1": (2, ["parallel.dp_shard=2", "parallel.zero=1"]),
-    "zero2": (2, ["parallel.dp_shard=2", "parallel.zero=2"]),
-    "zero3": (2, ["parallel.dp_shard=2", "parallel.zero=3", "run.micro_batches=2"]),
-    "hybrid": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=3"]),
+    "zero2+selective_ac": (2, ["parallel.dp_shard=2", "parallel.zero=2", "parallel.ac=selective"]),
+    "zero3+micro": (2, ["parallel.dp_shard=2", "parallel.zero=3", "run.micro_batches=2"]),
+    "hybrid+block_ac": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero=3",
+                            "parallel.ac=block"]),
 }
 
 
@@ -43,3 +45,85 @@ def test_sharded_layout_matches_single_process(token_dir, tmp_path, layout):
 
     init = build_reference_model(done, 257).state_dict()
     assert max_rel_diff(got, init) > 1e-3, "the model did not train"
+
+
+def test_bf16_mixed_precision_under_zero3_trains(token_dir, tmp_path):
+    """FSDP2's MixedPrecisionPolicy on CPU: bf16 compute, fp32 shards, reduction and checkpoint."""
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.dp_shard=2", "parallel.zero=3",
+                      "run.precision=bf16", "run.steps=3", "data.eval_batches=1")
+    done = train_job(cfg, LaunchSpec(nproc=2))
+    losses = _eval_losses(tmp_path / "run")
+    params = trained_params(done)
+    assert all(v.dtype == torch.float32 for v in params.values())
+    ref = reference_params(done)  # fp32: bf16 compute lands near it, not on it
+    assert 1e-6 < max_rel_diff(params, ref) < 5e-2
+    assert losses[-1] < losses[0]
+
+
+def _eval_losses(run_dir) -> list[float]:
+    import json
+
+    return [json.loads(line)["eval_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"eval_loss"' in line]
+
+
+def test_checkpoint_loads_under_other_layouts_and_world_sizes(token_dir, tmp_path):
+    """Save under ZeRO-3 on 2 ranks at step 3, then continue to step 4 under ZeRO-3 on 2 ranks,
+    plain DDP... on 1 process, and ZeRO-1 on 2 ranks: DCP reshards the parameters and the Adam
+    moments, so all three reach the same parameters and eval loss as far as fp32 sums allow."""
+    import shutil
+
+    saved = tmp_path / "saved"
+    base = ["run.steps=3", "checkpoint.keep_last=3"]
+    train_job(tiny_config(token_dir, saved, "parallel.dp_shard=2", "parallel.zero=3", *base),
+              LaunchSpec(nproc=2))
+    results = {}
+    for name, nproc, layout in [("zero3x2", 2, ["parallel.dp_shard=2", "parallel.zero=3"]),
+                                ("single", 1, []),
+                                ("zero1x2", 2, ["parallel.dp_shard=2", "parallel.zero=1"])]:
+        run = tmp_path / name
+        shutil.copytree(saved, run)
+        cfg = tiny_config(token_dir, run, "run.steps=4", *layout)
+        done = train_job(cfg, LaunchSpec(nproc=nproc), resume=str(run))
+        results[name] = (trained_params(done), _eval_losses(run)[-1])
+    ref_params, ref_eval = results["zero3x2"]
+    for name, (params, ev) in results.items():
+        diff = max_rel_diff(params, ref_params)
+        assert diff <= TOL, f"{name}: parameters differ from the saved layout's by {diff:.2e}"
+        assert abs(ev - ref_eval) <= 1e-5 * abs(ref_eval), f"{name}: eval loss {ev} vs {ref_eval}"
+
+
+def test_export_then_import_round_trips_exactly(token_dir, tmp_path, cli_env):
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from allhands.export import load_weights
+    from allhands.trainer import build_reference_model
+    from conftest import ALLHANDS
+
+    src = tmp_path / "src"
+    done = train_job(tiny_config(token_dir, src, "parallel.dp_shard=2", "parallel.zero=3",
+                                 "run.steps=2"), LaunchSpec(nproc=2))
+    out = tmp_path / "model.safetensors"
+    r = subprocess.run([*ALLHANDS, "export", str(src), "--out", str(out)], capture_output=True,
+                       text=True, env=cli_env)
+    assert r.returncode == 0, r.stderr
+    exported = load_file(str(out))
+    trained = trained_params(done)
+    assert set(exported) == set(trained)
+    for k in trained:
+        assert torch.equal(exported[k], trained[k]), f"{k} changed in export"
+    model = load_weights(build_reference_model(done, 257), out)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, exported[k]), f"{k} changed in import"
+
+    # A new run started from the file, under another layout, evaluates the same model first.
+    dst = tmp_path / "dst"
+    train_job(tiny_config(token_dir, dst, f"checkpoint.init_from={out}", "run.steps=1"),
+              LaunchSpec(nproc=2))
+    assert abs(_eval_losses(dst)[0] - _eval_losses(src)[-1]) <= 1e-6
+
+    bad = subprocess.run([*ALLHANDS, "export", str(tmp_path / "nothing"), "--out", str(out)],
+                         capture_output=True, text=True, env=cli_env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "export:" in bad.stderr

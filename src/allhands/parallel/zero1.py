@@ -17,6 +17,7 @@ the same keys a replicated or FSDP optimizer uses, so the layouts load each othe
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -41,5 +42,48 @@ def apply_zero1(optimizer: torch.optim.Optimizer, mesh: Mesh) -> ZeroRedundancyO
 
 
 def optimizer_for_checkpoint(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose state this rank checkpoints: ZeRO's local shard, else itself."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    """The optimizer whose state this rank checkpoints: a view of ZeRO's local shard (see
+    ``_local_view``), else the optimizer itself."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    view = getattr(optimizer, "_allhands_checkpoint_view", None)
+    if view is None:
+        view = optimizer._allhands_checkpoint_view = _local_view(optimizer)
+    return view
+
+
+def _local_view(zero: ZeroRedundancyOptimizer) -> torch.optim.Optimizer:
+    """ZeRO's local optimizer without its empty param groups, for DCP's state-dict helpers.
+
+    Two things need fixing on the way: ZeRO gives a rank an empty group when the group has
+    fewer parameters than ranks (e.g. the no-decay group of a model with few norms), and DCP's
+    flat-key loader indexes the first parameter of every group (torch 2.13
+    ``_unflatten_optim_state_dict``: IndexError); and ZeRO copies its own (global) groups'
+    hyper-parameters into the local optimizer before every step, so a loaded learning rate
+    must reach the global groups too or the first resumed step runs with the initial one.
+
+    The view shares the local optimizer's group dicts, state dict and step(); after DCP loads
+    into it, the state and hyper-parameters are copied back into the local and global groups.
+    """
+    local = zero.optim
+    kept = [i for i, g in enumerate(local.param_groups) if g["params"]]
+    groups = [local.param_groups[i] for i in kept]
+    view = object.__new__(type(local))
+    view.__dict__.update(local.__dict__)
+    view.param_groups = groups
+    view.state = local.state
+    view._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    view._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    def copy_back(loaded: torch.optim.Optimizer) -> None:
+        # Optimizer.load_state_dict built new group dicts and a new state dict on the view.
+        local.state.clear()
+        local.state.update(loaded.state)
+        for i, new in zip(kept, loaded.param_groups):
+            hyper = {k: v for k, v in new.items() if k != "params"}
+            local.param_groups[i].update(hyper)
+            zero.param_groups[i].update(hyper)
+        loaded.state, loaded.param_groups = local.state, groups
+
+    view.register_load_state_dict_post_hook(copy_back)
+    return view
