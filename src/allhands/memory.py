@@ -48,7 +48,20 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return {"params": sum(_nbytes(p) for p in params),
             "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
             "optim": optim,
-            "numel": sum(p.numel() for p in params)}  # global count: DTensor.numel() is global
+            "numel": sum(_model_parallel_numel(p) for p in params)}
+
+
+def _model_parallel_numel(p: torch.Tensor) -> int:
+    """Psi of this rank's model-parallel share: a DTensor's global count divided by its tp
+    shards (the formula then divides by dp_shard itself); under pp ``params`` is the stage's."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    names = p.device_mesh.mesh_dim_names or ()
+    tp = 1
+    for i, placement in enumerate(p.placements):
+        if placement.is_shard() and i < len(names) and names[i] == "tp":
+            tp *= p.device_mesh.size(i)
+    return p.numel() // tp
 
 
 def expected_bytes(numel: int, zero: int, shards: int) -> int:
@@ -73,16 +86,19 @@ def log_memory(metrics: Any, held: dict[str, int] | None, model: nn.Module, mesh
     one metrics.jsonl record and one line per rank on rank 0's stderr. Returns True once done."""
     if held is None:
         return False
-    mine = torch.tensor([held["params"], held["grads"], held["optim"]], dtype=torch.float64)
+    # numel per rank: under tp/pp each rank's model-parallel share differs
+    mine = torch.tensor([held["params"], held["grads"], held["optim"], held["numel"]], dtype=torch.float64)
     gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
     dist.all_gather(gathered, mine)
-    expected = expected_bytes(held["numel"], zero, mesh.size("dp_shard"))
     rows = [[int(v) for v in g.tolist()] for g in gathered]
+    expected_rank = [expected_bytes(r[3], zero, mesh.size("dp_shard")) for r in rows]
+    expected = expected_rank[0]
     metrics.log({"step": step, "memory_params_bytes": [r[0] for r in rows],
                  "memory_grads_bytes": [r[1] for r in rows], "memory_optim_bytes": [r[2] for r in rows],
-                 "memory_expected_bytes": expected, "memory_zero": zero,
+                 "memory_expected_bytes": expected, "memory_expected_bytes_rank": expected_rank,
+                 "memory_zero": zero,
                  "memory_measured_at": "after step 1, between optimizer.step and zero_grad"})
-    for rank, (pb, gb, ob) in enumerate(rows):
+    for rank, (pb, gb, ob, _), expected in zip(range(len(rows)), rows, expected_rank):
         metrics.message(f"allhands: rank {rank} holds params {pb / 2**20:.2f} MiB, grads "
                         f"{gb / 2**20:.2f} MiB, optimizer state {ob / 2**20:.2f} MiB = "
                         f"{(pb + gb + ob) / 2**20:.2f} MiB; ZeRO-{zero} formula "

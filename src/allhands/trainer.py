@@ -102,6 +102,14 @@ class OptimizerParts(torch.optim.Optimizer):
                          dict(optimizers[0].defaults))
         self.param_groups = [g for o in optimizers for g in o.param_groups]
 
+    @property
+    def state(self):  # every stage's state, e.g. for counting its bytes
+        return {p: st for o in self.optimizers for p, st in o.state.items()}
+
+    @state.setter
+    def state(self, value) -> None:  # Optimizer.__init__ assigns an empty one; stages hold theirs
+        pass
+
     def step(self, closure=None):  # the stages' optimizers step in turn
         for o in self.optimizers:
             o.step()
@@ -294,7 +302,8 @@ class Trainer:
         gnorm = self._clip()
         self.optimizer.step()
         if self.memory is None:  # the first moment gradients and optimizer state both exist
-            self.memory = state_bytes(self.raw_model, self.optimizer)
+            self.memory = state_bytes(self.raw_model if len(self.parts) == 1
+                                      else nn.ModuleList(self.parts), self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
