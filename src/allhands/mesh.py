@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from allhands.admission import admit_peers
 from allhands.errors import ConfigError
 
 
@@ -59,6 +60,7 @@ class Mesh:
             else:
                 dist.init_process_group(backend, init_method="env://", rank=rank,
                                         world_size=world_size, timeout=timeout)
+                admit_peers(dev)  # before any collective: every peer proves the job secret
         dmesh = init_device_mesh(dev.type, (dp,), mesh_dim_names=cls.DIMS)
         return cls(rank, world_size, local_rank, dev, backend, dmesh)
 
