@@ -253,6 +253,8 @@ def _secured(spec: LaunchSpec, run_id: str):
                                 node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint,
                                 local_addr=spec.local_addr, bind=spec.bind, port=spec.port)
     env = admission.worker_environment(secret)
+    # Set, this makes torch's rank-0 *worker* host a store of its own on all interfaces.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
     if not spec.multi_node:
         env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
     elif spec.bind and "GLOO_SOCKET_IFNAME" not in os.environ and interface_of(spec.bind):
