@@ -253,23 +253,24 @@ def _secured(spec: LaunchSpec, run_id: str):
                                 node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint,
                                 local_addr=spec.local_addr, bind=spec.bind, port=spec.port)
     env = admission.worker_environment(secret)
-    # Set, this makes torch's rank-0 *worker* host a store of its own on all interfaces.
+    # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
     if not spec.multi_node:
         env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
     elif spec.bind and "GLOO_SOCKET_IFNAME" not in os.environ and interface_of(spec.bind):
         env["GLOO_SOCKET_IFNAME"] = interface_of(spec.bind)  # gloo listens where we were told
     saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    gloo = os.environ.get("GLOO_SOCKET_IFNAME") or "the host name's address"
-    admitted = "workers must prove the job secret" if secret else "NO admission check (--insecure)"
-    print(f"allhands: {listeners.describe()}; gloo on {gloo}; {admitted}", file=sys.stderr,
-          flush=True)
     try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        gloo = os.environ.get("GLOO_SOCKET_IFNAME") or "the host name's address"
+        admitted = ("workers must prove the job secret" if secret
+                    else "NO admission check (--insecure)")
+        print(f"allhands: {listeners.describe()}; gloo on {gloo}; {admitted}", file=sys.stderr,
+              flush=True)
         yield listeners
     finally:
         listeners.close()
