@@ -10,14 +10,13 @@ import ipaddress
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from allhands.admission import AdmissionError, job_secret, worker_environment
+from allhands.admission import job_secret, worker_environment
 from allhands.errors import ConfigError, LaunchError
 from allhands.launch import free_port
 from allhands.rendezvous import plan

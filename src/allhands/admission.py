@@ -90,8 +90,8 @@ def _read_secret_file(path: str, source: str) -> str:
     try:
         mode = p.stat().st_mode
         if mode & 0o004:
-            raise ConfigError(f"{source}: {path} is readable by every user (mode {mode & 0o777:o}); "
-                              f"run `chmod 600 {path}` and start again")
+            raise ConfigError(f"{source}: {path} is readable by every user (mode "
+                              f"{mode & 0o777:o}); run `chmod 600 {path}` and start again")
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{source}: {path} does not exist; pass a file holding the job "

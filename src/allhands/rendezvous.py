@@ -153,7 +153,11 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
     if not multi_node:
         host = bind or "127.0.0.1"
         rdzv = bind_socket(host, port, "rendezvous store")
-        store = bind_socket(host, 0, "worker store")
+        try:
+            store = bind_socket(host, 0, "worker store")
+        except LaunchError:
+            rdzv.close()
+            raise
         endpoint = _hostport(_dialable(host), rdzv.getsockname()[1])
         local = _dialable(host)
         configs: dict[str, Any] = {"is_host": True, "join_timeout": 60}
@@ -169,7 +173,12 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
                 notes.append(f"{ep_host!r} is a loopback address: only this host can join")
         store_addr = bind or local_addr or (resolve(ep_host) if node_rank == 0
                                             else resolve(socket.getfqdn()))
-        store = bind_socket(store_addr, 0, "worker store")
+        try:
+            store = bind_socket(store_addr, 0, "worker store")
+        except LaunchError:
+            if rdzv is not None:
+                rdzv.close()
+            raise
         local = local_addr or (None if is_wildcard(store_addr) else store_addr)
         configs = {"is_host": node_rank == 0, "join_timeout": 900}
     listeners = Listeners(run_id, endpoint, local, rdzv, store, configs, notes)
