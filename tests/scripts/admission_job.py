@@ -2,7 +2,8 @@
 
     allhands launch --nproc N tests/scripts/admission_job.py OUT_DIR [HOLD_S [STRANGER]]
 
-Each rank writes OUT_DIR/rank<R>.json with the all_reduce result of (rank + 1) and then, if
+Each rank writes OUT_DIR/rank<R>.json with the all_reduce result of (rank + 1), over a second
+process group admitted like the default one, and then, if
 HOLD_S > 0, waits up to HOLD_S seconds for OUT_DIR/go, so a test can inspect the live job.
 STRANGER makes the last rank a process outside the job: "wrong-secret" runs allhands with
 another secret; "raw" skips allhands and all_reduces 1000 at once, as the stranger of FACTS.md
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from allhands.admission import admit_peers
 from allhands.launch import reported_failures, worker_env
 from allhands.mesh import Mesh
 
@@ -39,8 +41,12 @@ if stranger and env.rank == env.world_size - 1:
 with reported_failures():  # as `allhands train` workers: a refusal is one summary line
     mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                       device="cpu", backend="gloo", dp_replicate=-1, timeout_s=60)
+    # A group made after Mesh.build has connections of its own (as a mesh dimension's group
+    # does): it is admitted by the same check before its first collective.
+    group = dist.new_group(list(range(mesh.world_size)))
+    admit_peers(mesh.device, group)
 t = torch.tensor([float(mesh.rank + 1)])
-dist.all_reduce(t)
+dist.all_reduce(t, group=group)
 (out / f"rank{mesh.rank}.json").write_text(json.dumps({"sum": t.item(), "pid": os.getpid(),
                                                        "world": mesh.world_size}))
 deadline = time.monotonic() + hold
