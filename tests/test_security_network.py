@@ -280,3 +280,18 @@ def test_worker_without_secret_refuses_to_start(tmp_path, cli_env):
     procs, errs = workers(ALLHANDS_INSECURE="1")
     assert [p.returncode for p in procs] == [0, 0], errs
     assert json.loads((tmp_path / "rank1.json").read_text())["sum"] == 3.0
+
+
+def test_launch_spec_checks_bind_and_secret_before_anything_runs(monkeypatch):
+    from allhands.launch import LaunchSpec
+
+    monkeypatch.delenv("ALLHANDS_SECRET", raising=False)
+    monkeypatch.delenv("ALLHANDS_SECRET_FILE", raising=False)
+    with pytest.raises(ConfigError, match="--bind: 'eth0' is not an IP address"):
+        LaunchSpec(nproc=1, bind="eth0").validated()
+    many = dict(nproc=1, nnodes=2, rdzv_endpoint="10.0.0.1:29400")
+    with pytest.raises(ConfigError, match="needs a secret shared by every node"):
+        LaunchSpec(**many).validated()
+    assert LaunchSpec(**many, insecure=True).validated().insecure
+    monkeypatch.setenv("ALLHANDS_SECRET", "x" * 32)
+    assert LaunchSpec(**many).validated().nnodes == 2
