@@ -48,7 +48,7 @@ def is_wildcard(addr: str) -> bool:
     return addr in _WILDCARDS
 
 
-def resolve(host: str) -> str:
+def resolve(host: str, flag: str = "--rdzv-endpoint") -> str:
     """The first address ``host`` resolves to (an IP literal is returned as is)."""
     try:
         return str(ipaddress.ip_address(host.strip("[]")))
@@ -57,7 +57,7 @@ def resolve(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError as e:
-        raise ConfigError(f"--rdzv-endpoint: cannot resolve host {host!r} ({e.strerror or e}); "
+        raise ConfigError(f"{flag}: cannot resolve host {host!r} ({e.strerror or e}); "
                           f"pass an IP address or a resolvable name") from None
 
 
@@ -172,7 +172,7 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
             if ipaddress.ip_address(rdzv_addr).is_loopback:
                 notes.append(f"{ep_host!r} is a loopback address: only this host can join")
         store_addr = bind or local_addr or (resolve(ep_host) if node_rank == 0
-                                            else resolve(socket.getfqdn()))
+                                            else resolve(socket.getfqdn(), "--local-addr"))
         try:
             store = bind_socket(store_addr, 0, "worker store")
         except LaunchError:
