@@ -68,25 +68,22 @@ def _descendants(root: int) -> set[int]:
 
 
 def _listeners(pids: set[int]) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every TCP socket in LISTEN state that one of ``pids`` holds."""
-    owner = {}
+    """(address, port, pid) of every TCP socket in LISTEN state that one of ``pids`` holds,
+    read from each process's own network namespace (/proc/PID/net/tcp{,6})."""
+    found = set()
     for pid in pids:
         try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    owner[link[8:-1]] = pid
+            inodes = {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
+                      if os.readlink(fd).startswith("socket:[")}
+            tables = [Path(f"/proc/{pid}/net/{t}").read_text() for t in ("tcp", "tcp6")]
         except OSError:
-            continue
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
+            continue  # exited meanwhile
+        for line in "\n".join(tables).splitlines():
             f = line.split()
-            local, state, inode = f[1], f[3], f[9]
-            if state == "0A" and inode in owner:  # 0A: TCP_LISTEN
-                host, port = local.split(":")
-                found.append((_addr(host), int(port, 16), owner[inode]))
-    return found
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A: TCP_LISTEN
+                host, port = f[1].split(":")
+                found.add((_addr(host), int(port, 16), pid))
+    return sorted(found)
 
 
 def _wait_for(paths, proc, timeout=180) -> None:
@@ -295,3 +292,64 @@ def test_launch_spec_checks_bind_and_secret_before_anything_runs(monkeypatch):
     assert LaunchSpec(**many, insecure=True).validated().insecure
     monkeypatch.setenv("ALLHANDS_SECRET", "x" * 32)
     assert LaunchSpec(**many).validated().nnodes == 2
+
+
+# --------------------------------------------------------------------------- two hosts
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, 10.66.0.1 and 10.66.0.2 (root only)."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 for network namespaces")
+    tag = f"ahs{os.getpid() % 100000}"
+    hosts = [(f"{tag}a", f"{tag}va", "10.66.0.1"), (f"{tag}b", f"{tag}vb", "10.66.0.2")]
+    try:
+        for ns, _, _ in hosts:
+            _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, dev, addr in hosts:
+            _sh("ip", "link", "set", dev, "netns", ns)
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as e:
+        for ns, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot create network namespaces: {e.stderr.decode().strip()}")
+    yield [(ns, addr) for ns, _, addr in hosts]
+    for ns, _, _ in hosts:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_hosts_listen_on_the_named_addresses_only(tmp_path, cli_env, two_hosts):
+    """Node 0 hosts the rendezvous on 10.66.0.1, node 1 joins from 10.66.0.2 with the same
+    secret: every listener of either node is on its own named address, and the job computes."""
+    cli_env["ALLHANDS_SECRET"] = "0123456789abcdef" * 2
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [subprocess.Popen(["ip", "netns", "exec", ns, *ALLHANDS, "launch", "--nnodes", "2",
+                               "--nproc", "1", "--node-rank", str(i), "--rdzv-endpoint",
+                               "10.66.0.1:29400", "--local-addr", addr, JOB, str(out), "120"],
+                              env=cli_env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for i, (ns, addr) in enumerate(two_hosts)]
+    try:
+        _wait_for([out / "rank0.json", out / "rank1.json"], procs[0])
+        listening = [_listeners(_descendants(p.pid)) for p in procs]
+    finally:
+        (out / "go").touch()
+    errs = _finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    ports0 = {port for addr, port, _ in listening[0]}
+    assert 29400 in ports0 and len(listening[0]) >= 3, listening  # rendezvous, store, gloo
+    assert listening[1], listening  # node 1's gloo
+    for (_, addr), found in zip(two_hosts, listening):
+        assert {a for a, _, _ in found} == {addr}, found
+    assert [json.loads((out / f"rank{r}.json").read_text())["sum"] for r in (0, 1)] == [3.0, 3.0]
