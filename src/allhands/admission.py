@@ -124,15 +124,17 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
     :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective."""
     from allhands.launch import worker_admission_env  # launch.py reads the environment
 
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # new_group hands this to ranks outside the group: nothing to check here
     world = dist.get_world_size(group)
     if world == 1:
         return
     secret, insecure, master = worker_admission_env()
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(group)  # proofs bind the rank within this group
     if not secret:
         if insecure:
             return
-        _refuse(rank, f"has no job secret, so it cannot prove it belongs to the job; start "
+        _refuse(dist.get_rank(), f"has no job secret, so it cannot prove it belongs to the job; start "
                       f"workers with `allhands train`/`allhands launch`, or set {SECRET_ENV} to "
                       f"the same value for every worker ({INSECURE_ENV}=1 skips the check: not "
                       f"advised)")
@@ -141,7 +143,7 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
     mine = secrets.token_bytes(_NONCE)
     nonces = _all_gather(mine, world, device, group)
     if nonces[rank] != mine:
-        _refuse(rank, "its own nonce came back changed: the process group is tampered with")
+        _refuse(dist.get_rank(), "its own nonce came back changed: the process group is tampered with")
     transcript = hashlib.sha256(_TAG + struct.pack(">Q", world) + b"".join(nonces)).digest()
 
     addr = _local_address(master).encode("utf-8")[:_ADDR]
@@ -156,9 +158,10 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
         their_addr = rec[41:41 + min(n, _ADDR)]
         if not verify(key, transcript, r, their_proof.hex(), _context(their_pid, their_addr)):
             shown = their_addr.decode("utf-8", "replace") or "no address"
-            refused.append(f"rank {r} (says {shown}, pid {their_pid})")
+            glob = r if group is None else dist.get_global_rank(group, r)
+            refused.append(f"rank {glob} (says {shown}, pid {their_pid})")
     if refused:
-        _refuse(rank, f"refused {', '.join(refused)}: no valid proof of the job secret (a "
+        _refuse(dist.get_rank(), f"refused {', '.join(refused)}: no valid proof of the job secret (a "
                       f"process outside the job, or a node started with another secret)")
 
 
