@@ -90,6 +90,8 @@ def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir
     sets = [a for item in (*TINY, f"data.path={token_dir}") for a in ("--set", item)]
     port = free_port()
     multi = tmp_path / "multi"
+    secret = "a-secret-every-node-shares-0123456789"
+    cli_env["ALLHANDS_SECRET"] = secret  # required for a multi-node job (SECURITY.md)
     procs = [subprocess.Popen(
         [*ALLHANDS, "train", *sets, "--set", f"run.dir={multi}", "--nproc", "1", "--nnodes", "2",
          "--node-rank", str(i), "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1"],
@@ -105,6 +107,8 @@ def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir
             p.kill()
     outs = [p.communicate()[1][-3000:] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
+    assert not [f for f in multi.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()]
+    assert all(secret not in out for out in outs)
     single = tmp_path / "single"
     r = run(["train", *sets, "--set", f"run.dir={single}", "--nproc", "2"], cli_env)
     assert r.returncode == 0, r.stderr

@@ -313,3 +313,140 @@ def test_prove_verify():
     assert not verify(secret, nonce, 3, "é" * 64)
     assert not verify(secret, nonce, -1, proof)
     assert prove(secret, b"1", 23) != prove(secret, b"12", 3)
+
+
+# --------------------------------------------------------------------------- no code from data
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
+
+# Calls that unpickle what a peer sent (torch's *_object collectives pickle.loads every received
+# buffer) or what a file holds. allhands exchanges fixed-size tensors only; pickle itself is used
+# by security.py's RestrictedUnpickler alone.
+_PEER_UNPICKLERS = {"all_gather_object", "gather_object", "broadcast_object_list",
+                    "scatter_object_list", "recv_object_list", "send_object_list"}
+_PICKLE_CALLS = {"load", "loads", "Unpickler"}
+
+
+def _calls(tree):
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                else ""
+            yield node, owner, name
+
+
+def _violations(path: Path) -> list[str]:
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node, owner, name in _calls(tree):
+        where = f"{path.name}:{node.lineno}"
+        kw = {k.arg: k.value for k in node.keywords}
+        if name in _PEER_UNPICKLERS:
+            out.append(f"{where} {name} unpickles peer data")
+        if owner == "torch" and name == "load":
+            wo = kw.get("weights_only")
+            if not (isinstance(wo, ast.Constant) and wo.value is True):
+                out.append(f"{where} torch.load without weights_only=True")
+        if owner in ("pickle", "cPickle", "dill", "marshal") and name in _PICKLE_CALLS \
+                and path.name != "security.py":
+            out.append(f"{where} {owner}.{name} outside security.py")
+        if owner in ("np", "numpy") and name == "load":
+            ap = kw.get("allow_pickle")
+            if isinstance(ap, ast.Constant) and ap.value is True:
+                out.append(f"{where} numpy.load(allow_pickle=True)")
+        if owner == "yaml" and name in ("load", "unsafe_load", "full_load"):
+            out.append(f"{where} yaml.{name}")
+    for node in ast.walk(tree):  # `from pickle import loads` would dodge the call check above
+        if isinstance(node, ast.ImportFrom) and node.module in ("pickle", "dill", "marshal") \
+                and path.name != "security.py":
+            out.append(f"{path.name}:{node.lineno} imports from {node.module}")
+    return out
+
+
+def test_no_code_from_data_anywhere_in_allhands():
+    files = sorted(SRC.rglob("*.py"))
+    assert len(files) > 10
+    bad = [v for f in files for v in _violations(f)]
+    assert not bad, bad
+
+
+def test_the_guard_catches_what_it_looks_for(tmp_path):
+    """The guard above must not pass vacuously: each forbidden pattern is found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import pickle, torch, numpy as np, torch.distributed as dist\n"
+        "from pickle import loads\n"
+        "torch.load('a')\n"
+        "torch.load('a', weights_only=False)\n"
+        "torch.load('a', weights_only=True)\n"
+        "pickle.loads(b'')\n"
+        "np.load('a', allow_pickle=True)\n"
+        "dist.all_gather_object([], 1)\n"
+        "dist.broadcast_object_list([1])\n")
+    got = _violations(probe)
+    assert len(got) == 7, got
+    assert sum("torch.load" in v for v in got) == 2 and any("imports from pickle" in v for v in got)
+
+
+# --------------------------------------------------------------------------- resume, end to end
+
+
+def _trained_run(token_dir: Path, run_dir: Path):
+    """A real 2-step run of the reference GPT, in this process, with its step-2 checkpoint."""
+    import allhands
+    from allhands.checkpoint import committed
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(token_dir, run_dir, "run.steps=2", "checkpoint.interval=2")
+    allhands.train(cfg)
+    (_, ckpt), = committed(run_dir / "checkpoints")
+    return cfg, ckpt
+
+
+def _resume_fails_in_one_line(cfg, run_dir: Path) -> str:
+    import allhands
+
+    with pytest.raises(CheckpointError) as ei:
+        allhands.train(cfg, resume=str(run_dir))
+    return _one_line(ei.value)
+
+
+def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
+    """An attacker ships a checkpoint whose manifest matches (they wrote it), so only the
+    restricted readers stand between the payload and our process."""
+    run_dir, canary = tmp_path / "run", tmp_path / "canary"
+    cfg, ckpt = _trained_run(token_dir, run_dir)
+    genuine = (ckpt / ".metadata").read_bytes()
+
+    # 1. A malicious .metadata.
+    _craft_metadata(ckpt, canary)
+    write_manifest(ckpt)
+    msg = _resume_fails_in_one_line(cfg, run_dir)
+    assert "refused to unpickle" in msg and ".metadata" in msg and not canary.exists()
+
+    # 2. A genuine-looking .metadata whose bytes item (the scheduler's last_epoch, a pickled
+    #    int) now points at a torch.save'd payload appended to the shard.
+    md = pickle.loads(genuine)  # our own file: plain pickle is fine here
+    index = next(i for i in md.storage_data if i.fqn == "scheduler.last_epoch")
+    shard = ckpt / md.storage_data[index].relative_path
+    payload = tmp_path / "payload.pt"
+    torch.save(Canary(canary), payload)
+    md.storage_data[index].offset = shard.stat().st_size
+    md.storage_data[index].length = payload.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.read_bytes())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    write_manifest(ckpt)
+    msg = _resume_fails_in_one_line(cfg, run_dir)
+    assert "'scheduler.last_epoch'" in msg and "crafted" in msg and not canary.exists()
+
+    # Control: torch's own reader runs this payload, so the refusal above was not vacuous.
+    dcp.load({"scheduler": {"last_epoch": 0}}, checkpoint_id=ckpt, no_dist=True)
+    assert canary.exists()

@@ -29,6 +29,16 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="single-node rendezvous port on 127.0.0.1 (default: a free one)")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="restart all workers this many times after a failure (default 0)")
+    s = p.add_argument_group("security (SECURITY.md)")
+    s.add_argument("--bind", default="", metavar="ADDR",
+                   help="address this node's listeners bind to (default: 127.0.0.1 on one node; "
+                        "the --rdzv-endpoint host or --local-addr on many); 0.0.0.0 = every "
+                        "interface")
+    s.add_argument("--secret-file", default="", metavar="PATH",
+                   help="file with the job secret, the same on every node (multi-node; or set "
+                        "ALLHANDS_SECRET / ALLHANDS_SECRET_FILE); must not be world-readable")
+    s.add_argument("--insecure", action="store_true",
+                   help="no job secret: any process that reaches the stores can join (not advised)")
 
 
 def _spec(args: argparse.Namespace):
@@ -36,7 +46,8 @@ def _spec(args: argparse.Namespace):
 
     return LaunchSpec(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, local_addr=args.local_addr, port=args.port,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, bind=args.bind,
+                      secret_file=args.secret_file, insecure=args.insecure)
 
 
 def _config_from(args: argparse.Namespace):

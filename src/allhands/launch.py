@@ -62,6 +62,17 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
         mesh.destroy()
 
 
+def worker_admission_env() -> tuple[str | None, bool, tuple[str, int] | None]:
+    """The job secret, whether the launcher ran with --insecure, and the worker store's address,
+    as the launcher passed them to this worker (see admission.py)."""
+    from allhands.admission import INSECURE_ENV, SECRET_ENV
+
+    e = os.environ
+    master = (e["MASTER_ADDR"], int(e["MASTER_PORT"])) if e.get("MASTER_PORT", "").isdigit() \
+        and e.get("MASTER_ADDR") else None
+    return e.get(SECRET_ENV) or None, e.get(INSECURE_ENV) == "1", master
+
+
 def _worker_main(cfg_dict: dict, job: Any) -> None:
     """Entry point of each spawned worker (module level so that spawn can pickle it)."""
     with reported_failures():
@@ -146,6 +157,9 @@ class LaunchSpec:
     port: int = 0
     max_restarts: int = 0
     run_id: str = ""
+    bind: str = ""
+    secret_file: str = ""
+    insecure: bool = False
 
     @property
     def multi_node(self) -> bool:
@@ -164,7 +178,24 @@ class LaunchSpec:
             raise ConfigError("--rdzv-endpoint: required with --nnodes > 1, e.g. node0:29400")
         if s.rdzv_endpoint and not s.rdzv_endpoint.rpartition(":")[2].isdigit():
             raise ConfigError(f"--rdzv-endpoint: {s.rdzv_endpoint!r} is not HOST:PORT")
+        _check_security_args(s)
         return s
+
+
+def _check_security_args(s: LaunchSpec) -> None:
+    """--bind is an address; a multi-node job has a usable secret (exit 2 before anything runs)."""
+    import ipaddress
+
+    from allhands.admission import job_secret
+
+    if s.bind:
+        try:
+            ipaddress.ip_address(s.bind)
+        except ValueError:
+            raise ConfigError(f"--bind: {s.bind!r} is not an IP address; pass one of this host's "
+                              f"addresses (0.0.0.0 means every interface)") from None
+    if s.multi_node and not s.insecure:
+        job_secret(multi_node=True, secret_file=s.secret_file, insecure=False, env=os.environ)
 
 
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
@@ -195,29 +226,59 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
 
     spec = spec.validated()
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
-    if spec.multi_node:
-        endpoint = spec.rdzv_endpoint
-        host, _, port = endpoint.rpartition(":")
-        rdzv_configs: dict[str, Any] = {"timeout": 900}
-        if spec.node_rank == 0:
-            rdzv_configs["is_host"] = True
-            check_port_free(spec.local_addr or "0.0.0.0", int(port))
-    else:
-        if spec.port:
-            check_port_free("127.0.0.1", spec.port)
-        endpoint = f"127.0.0.1:{spec.port or free_port()}"
-        rdzv_configs = {"timeout": 60}
-    config = LaunchConfig(
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
-        run_id=spec.run_id or _default_run_id(spec), rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
-        start_method="spawn", local_addr=spec.local_addr or None,
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
-    )
+    run_id = spec.run_id or _default_run_id(spec)
+    with _secured(spec, run_id) as listeners:
+        config = LaunchConfig(
+            min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
+            run_id=run_id, rdzv_backend=listeners.backend, rdzv_endpoint=listeners.endpoint,
+            rdzv_configs=listeners.rdzv_configs, max_restarts=spec.max_restarts,
+            monitor_interval=0.1, start_method="spawn", local_addr=listeners.local_addr,
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
+        )
+        try:
+            elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as e:
+            raise LaunchError(failure_summary(e)) from None
+
+
+@contextlib.contextmanager
+def _secured(spec: LaunchSpec, run_id: str):
+    """Bind this node's listeners narrowly (rendezvous.py) and hand the job secret to the
+    workers through the environment (admission.py); both undone when the job ends."""
+    from allhands import admission, rendezvous
+
+    secret = admission.job_secret(multi_node=spec.multi_node, secret_file=spec.secret_file,
+                                  insecure=spec.insecure, env=os.environ)
+    listeners = rendezvous.plan(run_id=run_id, multi_node=spec.multi_node,
+                                node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint,
+                                local_addr=spec.local_addr, bind=spec.bind, port=spec.port)
+    env = admission.worker_environment(secret)
+    # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
+    if not spec.multi_node:
+        env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
+    elif spec.bind and "GLOO_SOCKET_IFNAME" not in os.environ and interface_of(spec.bind):
+        env["GLOO_SOCKET_IFNAME"] = interface_of(spec.bind)  # gloo listens where we were told
+    saved = {k: os.environ.get(k) for k in env}
     try:
-        elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as e:
-        raise LaunchError(failure_summary(e)) from None
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        gloo = os.environ.get("GLOO_SOCKET_IFNAME") or "the host name's address"
+        admitted = ("workers must prove the job secret" if secret
+                    else "NO admission check (--insecure)")
+        print(f"allhands: {listeners.describe()}; gloo on {gloo}; {admitted}", file=sys.stderr,
+              flush=True)
+        yield listeners
+    finally:
+        listeners.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _default_run_id(spec: LaunchSpec) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from allhands.admission import admit_peers
 from allhands.config import MESH_DIMS, ParallelConfig, mesh_sizes
 from allhands.errors import ConfigError
 
@@ -68,7 +69,7 @@ class Mesh:
             else:
                 dist.init_process_group(backend, init_method="env://", rank=rank,
                                         world_size=world_size, timeout=timeout)
-        # (admission of the peers, right after the default group exists, goes here)
+                admit_peers(dev)  # before any collective: every peer proves the job secret
         dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
         dp_mesh = dmesh["dp_replicate", "dp_shard"]._flatten("dp")
         return cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh)

@@ -375,25 +375,27 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def _message(nonce: bytes, rank: int) -> bytes:
-    # A fixed-width rank keeps nonce + rank unambiguous (b"1" + 23 differs from b"12" + 3).
+def _message(nonce: bytes, rank: int, context: bytes = b"") -> bytes:
+    # Length-prefixed nonce and a fixed-width rank keep the fields unambiguous
+    # (b"1" + 23 differs from b"12" + 3); the context (pid, address) comes last.
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2**64:
         raise ValueError(f"rank must be an int in [0, 2**64), got {rank!r}")
-    return bytes(nonce) + struct.pack(">Q", rank)
+    return struct.pack(">I", len(nonce)) + bytes(nonce) + struct.pack(">Q", rank) + bytes(context)
 
 
-def prove(secret: bytes, nonce: bytes, rank: int) -> str:
-    """Hex HMAC-SHA256 of ``nonce + rank`` under the job secret: proves it, reveals nothing."""
-    return hmac.new(secret, _message(nonce, rank), hashlib.sha256).hexdigest()
+def prove(secret: bytes, nonce: bytes, rank: int, context: bytes = b"") -> str:
+    """Hex HMAC-SHA256 of ``nonce, rank, context`` under the job secret: proves it, reveals
+    nothing about it."""
+    return hmac.new(secret, _message(nonce, rank, context), hashlib.sha256).hexdigest()
 
 
-def verify(secret: bytes, nonce: bytes, rank: int, proof: str) -> bool:
+def verify(secret: bytes, nonce: bytes, rank: int, proof: str, context: bytes = b"") -> bool:
     """Whether ``proof`` is :func:`prove` of these inputs (constant-time comparison)."""
     if not isinstance(proof, str):
         return False
     try:
         given = proof.encode("ascii")
-        expected = prove(secret, nonce, rank).encode("ascii")
+        expected = prove(secret, nonce, rank, context).encode("ascii")
     except (UnicodeEncodeError, ValueError):
         return False
     return hmac.compare_digest(given, expected)

@@ -1,0 +1,202 @@
+"""Only processes holding the job's secret take part: the launcher's secret, the workers' proof.
+
+torch's stores and process groups accept anyone who can connect (FACTS.md: a stranger that took a
+rank changed an all_reduce result). So right after ``init_process_group``, before any tensor of
+the job is exchanged, every worker proves to every other that it holds the job secret, and a
+worker that sees one bad proof refuses to go on (:func:`admit_peers`).
+
+The proof travels over the process group itself, not the store: anyone can write the store, but
+a stranger that took rank ``s`` can only be answered for in the collective. Two all-gathers:
+
+1. every rank contributes 32 fresh random bytes; the transcript ``T = SHA-256(tag, world size,
+   nonce_0 .. nonce_{n-1})`` is new for every job and every restart, so no proof seen on the wire
+   before can be replayed;
+2. every rank sends ``HMAC-SHA256(secret, T, rank, pid, address)`` with its pid and address,
+   and checks every other rank's record against its own view of ``T``.
+
+A stranger without the secret cannot make a valid proof for its rank, so every genuine rank
+refuses it and raises :class:`AdmissionError` (one line naming the refused ranks and the
+addresses they gave) before returning from ``Mesh.build``. The cost: two small all-gathers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+import struct
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from allhands.errors import ConfigError, LaunchError
+from allhands.security import prove, verify
+
+SECRET_ENV = "ALLHANDS_SECRET"
+"""The job secret (multi-node: the same string on every node; single node: set by the launcher)."""
+SECRET_FILE_ENV = "ALLHANDS_SECRET_FILE"
+"""A file holding the job secret; must not be readable by every user."""
+INSECURE_ENV = "ALLHANDS_INSECURE"
+"""Set to 1 by ``--insecure``: workers skip admission."""
+MIN_SECRET_CHARS = 16
+
+_TAG = b"allhands-admission-v1"
+_NONCE = 32
+_ADDR = 63
+_RECORD = 32 + 8 + 1 + _ADDR  # proof | pid | address length | address (padded)
+
+
+class AdmissionError(LaunchError):
+    """A peer could not prove it holds the job secret, or this worker has none."""
+
+
+# --------------------------------------------------------------------------- launcher side
+
+
+def job_secret(*, multi_node: bool, secret_file: str, insecure: bool,
+               env: Mapping[str, str]) -> str | None:
+    """The secret the launcher gives its workers; ``None`` with ``insecure``.
+
+    Single node: a fresh 256-bit secret, never written anywhere. Multi-node: from
+    ``secret_file`` (``--secret-file``), else the file named by ALLHANDS_SECRET_FILE, else
+    ALLHANDS_SECRET. Raises :class:`ConfigError` (exit 2) when a multi-node job has none.
+    """
+    if insecure:
+        print("allhands: warning: --insecure: workers are not asked for the job secret, so any "
+              "process that reaches the job's stores can take a rank and change its results",
+              file=sys.stderr, flush=True)
+        return None
+    if not multi_node:
+        return secrets.token_hex(32)
+    path = secret_file or env.get(SECRET_FILE_ENV, "")
+    if path:
+        source = "--secret-file" if secret_file else SECRET_FILE_ENV
+        return _checked(_read_secret_file(path, source), f"{source} {path}")
+    if env.get(SECRET_ENV):
+        return _checked(env[SECRET_ENV], SECRET_ENV)
+    raise ConfigError(
+        f"a multi-node job needs a secret shared by every node: set {SECRET_ENV}, or "
+        f"{SECRET_FILE_ENV} / --secret-file to a file only you can read (e.g. `openssl rand -hex "
+        f"32 > job.secret; chmod 600 job.secret`) on every node; or pass --insecure (not advised)")
+
+
+def _read_secret_file(path: str, source: str) -> str:
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        if mode & 0o004:
+            raise ConfigError(f"{source}: {path} is readable by every user (mode "
+                              f"{mode & 0o777:o}); run `chmod 600 {path}` and start again")
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: {path} does not exist; pass a file holding the job "
+                          f"secret") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot read {path} ({getattr(e, 'strerror', None) or e}); "
+                          f"pass a readable UTF-8 file holding the job secret") from None
+    return text.strip()
+
+
+def _checked(secret: str, source: str) -> str:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{source}: the job secret has {len(secret)} characters, fewer than "
+                          f"{MIN_SECRET_CHARS}; use a long random one, e.g. `openssl rand -hex 32`")
+    return secret
+
+
+def worker_environment(secret: str | None) -> dict[str, str | None]:
+    """Variables to set (``None``: to remove) in the environment the workers inherit."""
+    if secret is None:
+        return {SECRET_ENV: None, INSECURE_ENV: "1"}
+    return {SECRET_ENV: secret, INSECURE_ENV: None}
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """Prove this worker holds the job secret and check every peer's proof; raises
+    :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective."""
+    from allhands.launch import worker_admission_env  # launch.py reads the environment
+
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # new_group hands this to ranks outside the group: nothing to check here
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    secret, insecure, master = worker_admission_env()
+    rank = dist.get_rank(group)  # proofs bind the rank within this group
+    if not secret:
+        if insecure:
+            return
+        _refuse(dist.get_rank(), f"has no job secret, so it cannot prove it belongs to the job; start "
+                      f"workers with `allhands train`/`allhands launch`, or set {SECRET_ENV} to "
+                      f"the same value for every worker ({INSECURE_ENV}=1 skips the check: not "
+                      f"advised)")
+    key = secret.encode("utf-8")
+
+    mine = secrets.token_bytes(_NONCE)
+    nonces = _all_gather(mine, world, device, group)
+    if nonces[rank] != mine:
+        _refuse(dist.get_rank(), "its own nonce came back changed: the process group is tampered with")
+    transcript = hashlib.sha256(_TAG + struct.pack(">Q", world) + b"".join(nonces)).digest()
+
+    addr = _local_address(master).encode("utf-8")[:_ADDR]
+    pid = os.getpid()
+    proof = bytes.fromhex(prove(key, transcript, rank, _context(pid, addr)))
+    record = proof + struct.pack(">QB", pid, len(addr)) + addr.ljust(_ADDR, b"\0")
+    refused = []
+    for r, rec in enumerate(_all_gather(record, world, device, group)):
+        if r == rank:
+            continue
+        their_proof, (their_pid, n) = rec[:32], struct.unpack(">QB", rec[32:41])
+        their_addr = rec[41:41 + min(n, _ADDR)]
+        if not verify(key, transcript, r, their_proof.hex(), _context(their_pid, their_addr)):
+            shown = their_addr.decode("utf-8", "replace") or "no address"
+            glob = r if group is None else dist.get_global_rank(group, r)
+            refused.append(f"rank {glob} (says {shown}, pid {their_pid})")
+    if refused:
+        _refuse(dist.get_rank(), f"refused {', '.join(refused)}: no valid proof of the job secret (a "
+                      f"process outside the job, or a node started with another secret)")
+
+
+def _context(pid: int, addr: bytes) -> bytes:
+    return struct.pack(">QB", pid, len(addr)) + addr
+
+
+def _refuse(rank: int, why: str) -> NoReturn:
+    msg = (f"admission: worker rank {rank} {why}; stopped before any tensor of the job was "
+           f"exchanged")
+    print(f"allhands: {msg}", file=sys.stderr, flush=True)
+    try:  # drop the connections to the refused peers now, not in an exit-time destructor
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the refusal below is what matters
+        pass
+    raise AdmissionError(msg)
+
+
+def _all_gather(data: bytes, world: int, device: torch.device,
+                group: dist.ProcessGroup | None) -> list[bytes]:
+    """Fixed-size raw bytes from every rank: uint8 tensors, never pickled objects."""
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t, group=group)
+    return [o.cpu().numpy().tobytes() for o in out]
+
+
+def _local_address(master: tuple[str, int] | None) -> str:
+    """This host's address on the route to the worker store (what a peer would see)."""
+    if master is None:
+        return socket.gethostname()
+    try:
+        family = socket.AF_INET6 if ":" in master[0] else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(master)  # UDP connect sends nothing; it only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()

@@ -1,0 +1,259 @@
+"""Torch's c10d rendezvous with listeners bound to one address, never to all interfaces.
+
+torch 2.13 creates two TCPStores per job and both listen on ``[::]`` whatever host they are given
+(FACTS.md, "Listening and admission"): the rendezvous store (``c10d_rendezvous_backend.
+_create_tcp_store``) and the store the workers share (``DynamicRendezvousHandler.
+_create_tcp_store_server``, port 0, reached through MASTER_ADDR/MASTER_PORT with
+TORCHELASTIC_USE_AGENT_STORE). A socket bound here and handed to ``TCPStore(master_listen_fd=)``
+makes the store listen on that address only. Everything else is torch's own code: the
+``DynamicRendezvousHandler`` state machine and the ``C10dRendezvousBackend``; we register the
+result with torch's ``rendezvous_handler_registry`` as :data:`BACKEND`.
+
+The sockets are bound in the launcher before ``elastic_launch`` (so a busy port is one clear
+error, and there is no window between choosing a free port and binding it) and looked up by run
+id when torch asks the registry for the handler.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler, RendezvousTimeout,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from allhands.errors import ConfigError, LaunchError
+
+BACKEND = "allhands-c10d"
+"""Registry name of the narrow c10d handler (``LaunchConfig.rdzv_backend``)."""
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+_PLANS: dict[str, "Listeners"] = {}
+_LOCK = threading.Lock()
+
+
+def is_wildcard(addr: str) -> bool:
+    return addr in _WILDCARDS
+
+
+def resolve(host: str, flag: str = "--rdzv-endpoint") -> str:
+    """The first address ``host`` resolves to (an IP literal is returned as is)."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot resolve host {host!r} ({e.strerror or e}); "
+                          f"pass an IP address or a resolvable name") from None
+
+
+def bind_socket(addr: str, port: int, what: str) -> socket.socket:
+    """A TCP socket bound (not yet listening) to ``addr:port``; TCPStore's libuv server calls
+    listen on it. SO_REUSEADDR as torch's own listener, so a restarted job can rebind at once."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and addr == "::":
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # explicit wildcard: v4 too
+        s.bind((addr, port))
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchError(f"port {port} on {addr} is in use ({e.strerror}); pass a free port "
+                              f"(--port / --rdzv-endpoint) or stop what holds it") from None
+        raise LaunchError(f"cannot listen for the {what} on {_hostport(addr, port)} "
+                          f"({e.strerror or e}); pass an address of this host (--bind / "
+                          f"--local-addr)") from None
+    s.set_inheritable(False)
+    return s
+
+
+def _hostport(addr: str, port: int | str) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+@dataclass
+class Listeners:
+    """What this node listens on, bound before the launch, and how torch reaches it."""
+
+    backend = BACKEND
+
+    run_id: str
+    endpoint: str
+    """HOST:PORT every agent dials for the rendezvous store."""
+    local_addr: str | None
+    """This node's address as published to the workers (MASTER_ADDR when it hosts the store)."""
+    rdzv_socket: socket.socket | None
+    """The rendezvous store's socket: only on the node that hosts it."""
+    store_socket: socket.socket
+    """The worker store's socket: used if this node's agent becomes rendezvous rank 0."""
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line for stderr: every listener this node opens, and where."""
+        parts = []
+        if self.rdzv_socket is not None:
+            parts.append(f"{_hostport(*self.rdzv_socket.getsockname()[:2])} (rendezvous store)")
+        store = _hostport(*self.store_socket.getsockname()[:2])
+        parts.append(f"{store} (worker store{'' if self.rdzv_socket else ', if this node leads'})")
+        where = "listening on " + ", ".join(parts)
+        if self.rdzv_socket is None:
+            where += f"; rendezvous at {self.endpoint}"
+        return "; ".join([where, *self.notes])
+
+    def close(self) -> None:
+        """Close what torch did not take over (TCPStore owns a socket once handed to it)."""
+        with _LOCK:
+            _PLANS.pop(self.run_id, None)
+            for name in ("rdzv_socket", "store_socket"):
+                s = getattr(self, name)
+                if s is not None and s.fileno() != -1:
+                    s.close()
+
+    def _take(self, name: str) -> int:
+        """Hand a socket's descriptor over to a TCPStore, which closes it."""
+        with _LOCK:
+            s = getattr(self, name)
+            if s is None or s.fileno() == -1:
+                raise LaunchError(f"the {name.replace('_', ' ')} of run {self.run_id} was already "
+                                  f"used; start the job again")
+            return s.detach()
+
+
+def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, local_addr: str,
+         bind: str, port: int) -> Listeners:
+    """Bind this node's listeners and register them under ``run_id`` for :func:`create_handler`.
+
+    Single node: everything on 127.0.0.1 (``bind`` may name another address). Multi-node: node 0
+    hosts the rendezvous store on the endpoint's address; the worker store goes on ``bind``, else
+    ``local_addr``, else the endpoint's address (node 0) or this host name's address. All
+    interfaces only when ``bind`` says so (0.0.0.0 or ::), with a warning.
+    """
+    notes = []
+    if bind and is_wildcard(bind):
+        print(f"allhands: warning: --bind {bind} listens on all interfaces: any host that can "
+              f"route here reaches the job's stores; only the job secret keeps strangers out",
+              file=sys.stderr, flush=True)
+    if not multi_node:
+        host = bind or "127.0.0.1"
+        rdzv = bind_socket(host, port, "rendezvous store")
+        try:
+            store = bind_socket(host, 0, "worker store")
+        except LaunchError:
+            rdzv.close()
+            raise
+        endpoint = _hostport(_dialable(host), rdzv.getsockname()[1])
+        local = _dialable(host)
+        configs: dict[str, Any] = {"is_host": True, "join_timeout": 60}
+    else:
+        ep_host, _, ep_port = rdzv_endpoint.rpartition(":")
+        ep_host = ep_host.strip("[]")
+        endpoint = rdzv_endpoint
+        rdzv = None
+        if node_rank == 0:
+            rdzv_addr = bind or resolve(ep_host)
+            rdzv = bind_socket(rdzv_addr, int(ep_port), "rendezvous store")
+            if ipaddress.ip_address(rdzv_addr).is_loopback:
+                notes.append(f"{ep_host!r} is a loopback address: only this host can join")
+        store_addr = bind or local_addr or (resolve(ep_host) if node_rank == 0
+                                            else resolve(socket.getfqdn(), "--local-addr"))
+        try:
+            store = bind_socket(store_addr, 0, "worker store")
+        except LaunchError:
+            if rdzv is not None:
+                rdzv.close()
+            raise
+        local = local_addr or (None if is_wildcard(store_addr) else store_addr)
+        configs = {"is_host": node_rank == 0, "join_timeout": 900}
+    listeners = Listeners(run_id, endpoint, local, rdzv, store, configs, notes)
+    with _LOCK:
+        _PLANS[run_id] = listeners
+    register()
+    return listeners
+
+
+def _dialable(addr: str) -> str:
+    """Where a client on this host reaches a listener bound to ``addr``."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(addr, addr)
+
+
+# --------------------------------------------------------------------------- torch's side
+
+
+class NarrowRendezvousHandler(DynamicRendezvousHandler):
+    """torch's handler; only the worker store is created on our pre-bound socket."""
+
+    listeners: Listeners
+
+    def _create_tcp_store_server(self, master_addr, master_port):
+        # master_port is 0 in torch 2.13: the socket's own port is published instead.
+        return dist.TCPStore(host_name=_dialable(master_addr), port=master_port, is_master=True,
+                             multi_tenant=True,
+                             master_listen_fd=self.listeners._take("store_socket"))
+
+    def get_backend(self) -> str:
+        return BACKEND  # torch's registry checks that the handler names the backend asked for
+
+
+def _rendezvous_store(params, listeners: Listeners):
+    """The rendezvous TCPStore: served from our socket on the host node, dialled elsewhere.
+
+    Same arguments as torch's ``_create_tcp_store`` (multi-tenant, read_timeout), but no
+    "try to host, else connect" guess: which node hosts is decided by ``--node-rank``.
+    """
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    try:
+        if params.get_as_bool("is_host"):
+            return dist.TCPStore(host, port, is_master=True, multi_tenant=True, timeout=timeout,
+                                 master_listen_fd=listeners._take("rdzv_socket"))
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    except (ValueError, RuntimeError, TimeoutError) as exc:
+        raise RendezvousConnectionError(f"cannot reach the rendezvous store at {params.endpoint} "
+                                        f"({exc})") from exc
+
+
+def create_handler(params):
+    """torch's c10d rendezvous handler on the listeners :func:`plan` bound for this run."""
+    with _LOCK:
+        listeners = _PLANS.get(params.run_id)
+    if listeners is None:
+        raise LaunchError(f"no listeners were bound for run {params.run_id}; start jobs with "
+                          f"allhands.launch.launch")
+    store = _rendezvous_store(params, listeners)
+    backend = C10dRendezvousBackend(store, params.run_id)
+
+    def seconds(key: str) -> timedelta | None:
+        value = params.get_as_int(key)
+        return None if value is None else timedelta(seconds=value)
+
+    handler = NarrowRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        RendezvousTimeout(seconds("join_timeout"), seconds("last_call_timeout"),
+                          seconds("close_timeout"), seconds("heartbeat_timeout")),
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
+    )
+    handler.listeners = listeners
+    return handler
+
+
+def register() -> None:
+    """Make :data:`BACKEND` known to torch's handler registry (idempotent)."""
+    rendezvous_handler_registry.register(BACKEND, create_handler)
