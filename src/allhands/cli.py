@@ -18,7 +18,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workers and nodes")
     g.add_argument("--nproc", type=int, default=0,
                    help="worker processes on this node (default: one per GPU, or 2 on CPU)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes in the job (default 1); MIN:MAX lets it continue on fewer nodes")
     g.add_argument("--node-rank", type=int, default=0,
                    help="this node's rank; node 0 hosts the rendezvous")
     g.add_argument("--rdzv-endpoint", default="",
@@ -27,16 +28,20 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="this node's address as the other nodes reach it (multi-node)")
     g.add_argument("--port", type=int, default=0,
                    help="single-node rendezvous port on 127.0.0.1 (default: a free one)")
-    g.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all workers this many times after a failure (default 0)")
+    g.add_argument("--max-restarts", type=int, default=-1,
+                   help="restart all workers this many times after a failure (default: "
+                        "fault.max_restarts of the config, else 0)")
 
 
 def _spec(args: argparse.Namespace):
     from allhands.launch import LaunchSpec
 
-    return LaunchSpec(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+    lo, _, hi = str(args.nnodes).partition(":")
+    if not (lo.isdigit() and (hi or lo).isdigit()):
+        raise ConfigError(f"--nnodes: {args.nnodes!r} is not N or MIN:MAX, e.g. 2 or 1:2")
+    return LaunchSpec(nproc=args.nproc, nnodes=int(hi or lo), node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, local_addr=args.local_addr, port=args.port,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, min_nodes=int(lo) if hi else 0)
 
 
 def _config_from(args: argparse.Namespace):

@@ -8,7 +8,7 @@ groups. Today the mesh has one dimension, ``dp_replicate``; the sharding issue a
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ class Mesh:
     device: torch.device
     backend: str
     device_mesh: DeviceMesh
+    _ckpt_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     DIMS = ("dp_replicate",)
 
@@ -78,6 +79,14 @@ class Mesh:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for DCP's asynchronous saves, whose collectives run in a
+        writer thread: on a group of their own they never interleave with the training
+        collectives of the main thread. Collective on first call: every rank calls it alike."""
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
 
     def destroy(self) -> None:
         if dist.is_initialized():

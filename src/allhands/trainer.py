@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +21,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState, seed_rank
+from allhands.checkpoint import (Checkpointer, ModelOptimState, RNGState, TrainState, check_compatible,
+                                 seed_rank)
 from allhands.config import Config
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
+from allhands.faults import FaultInjector, NonFiniteError, NonFiniteGuard
+from allhands.launch import worker_env
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
 from allhands.models import GPT, GPTConfig
+from allhands.supervise import Heartbeat
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]
@@ -120,8 +125,15 @@ class Trainer:
                             if self.val_ds is not None and len(self.val_ds) else None)
         self.train_state = TrainState()
         self.rng_state = RNGState(mesh.rank)
-        self.ckpt = Checkpointer(run_dir / "checkpoints", rank=mesh.rank,
-                                 keep_last=cfg.checkpoint.keep_last)
+        self.faults = FaultInjector(cfg.fault.inject, mesh.rank, run_dir)
+        self.guard = NonFiniteGuard(cfg.fault.nonfinite, cfg.fault.max_nonfinite)
+        self.heartbeat = Heartbeat(worker_env().heartbeat_dir, mesh.rank)
+        self.rollbacks = 0
+        c = cfg.checkpoint
+        self.ckpt = Checkpointer(run_dir / "checkpoints", rank=mesh.rank, keep_last=c.keep_last,
+                                 mode=c.mode, group=mesh.checkpoint_group() if c.mode == "async" else None,
+                                 meta={"config": cfg.to_dict(), "world_size": mesh.world_size},
+                                 writer_hook=self.faults.ckpt_writer_hook)
         use_bf16 = r.precision == "bf16" or (r.precision == "auto" and mesh.device.type == "cuda")
         self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
@@ -133,18 +145,24 @@ class Trainer:
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:
-        latest = self.ckpt.latest()
-        if latest is None:
+        """Load the newest committed checkpoint that verifies (falling back past damaged ones)."""
+
+        def state_for(step: int, path: Path) -> dict[str, Any]:
+            check_compatible(path, self.cfg.to_dict())
+            state = self.state()
+            keys = self.ckpt.saved_keys(path)
+            if not any(k.startswith(f"rng.{self.rng_state.key}.") for k in keys):
+                # A rank that did not exist when this was saved (resume on more workers): its
+                # generators are re-seeded from (seed, rank, step), reproducibly.
+                del state["rng"]
+                seed_rank(self.cfg.run.seed + step, self.mesh.rank)
+            return state
+
+        warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.mesh.is_main else (lambda m: None)
+        loaded = self.ckpt.load_latest(state_for, warn)
+        if loaded is None:
             return False
-        step, path = latest
-        state = self.state()
-        keys = self.ckpt.saved_keys(path)
-        if not any(k.startswith(f"rng.{self.rng_state.key}.") for k in keys):
-            # A rank that did not exist when this was saved (resume on more workers): its
-            # generators are re-seeded from (seed, rank, step), reproducibly.
-            del state["rng"]
-            seed_rank(self.cfg.run.seed + step, self.mesh.rank)
-        self.ckpt.load(path, state)
+        step, path = loaded
         if self.train_state.step != step:
             raise CheckpointError(f"checkpoint {str(path)!r} says step {self.train_state.step}, "
                                   f"its name says {step}; the checkpoint is inconsistent")
@@ -184,11 +202,22 @@ class Trainer:
             with self.strategy.micro_step(self.model, last=i == len(micro) - 1):
                 with self.autocast():
                     loss = self.loss_fn(self.model(x), y) / len(micro)
+                if i == 0:
+                    loss = self.faults.after_forward(step + 1, loss)
                 loss.backward()
             loss_sum += loss.detach()
         clip = self.cfg.optim.grad_clip
         gnorm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip if clip > 0 else math.inf)
-        self.optimizer.step()
+        # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
+        # Every rank decides alike (one all_reduce), whatever the sync strategy did to the grads.
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0],
+                           device=self.mesh.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.last_action = self.guard.check(not bool(bad.item()), step + 1)
+        if self.last_action == "ok":
+            self.optimizer.step()
+        # Skipped or not, the batch is consumed and the schedule advances: later steps see the
+        # same data and learning rate as in a run without the bad step.
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
@@ -218,10 +247,19 @@ class Trainer:
             if ev is not None:
                 metrics.log({"step": 0, "eval_loss": ev})
         result: dict[str, Any] = {}
+        self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
+                self.faults.before_step(ts.step + 1)
+                self.heartbeat.beat(ts.step + 1)  # "working on step ts.step + 1": see supervise.py
                 t0 = time.perf_counter()
                 loss_sum, gnorm = self.train_step(ts.step)
+                if self.last_action == "rollback" and self._rollback(metrics):
+                    continue
+                if self.last_action != "ok":
+                    ts.nonfinite_skips += 1
+                    metrics.message(f"allhands: warning: non-finite loss or gradient at step "
+                                    f"{ts.step + 1}; update skipped ({ts.nonfinite_skips} so far)")
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
@@ -239,9 +277,43 @@ class Trainer:
                 interval = cfg.checkpoint.interval
                 if (interval and ts.step % interval == 0) or (last and cfg.checkpoint.at_end):
                     self.save()
+                self.ckpt.poll()
+                self._report_checkpoint_warnings(metrics)
+            failures = self.ckpt.failures
+            self.ckpt.wait()
+            self._report_checkpoint_warnings(metrics)
+            if cfg.checkpoint.at_end and self.ckpt.failures > failures:
+                raise CheckpointError(f"the final checkpoint (step {ts.step}) was not saved; the "
+                                      f"last committed one is intact; free space or fix permissions "
+                                      f"of {str(self.ckpt.dir)!r} and resume")
+            self.heartbeat.beat(ts.step, done=True)
+        except NonFiniteError:
+            self.ckpt.wait()  # every rank raised it alike: let the save in flight commit first
+            raise
         finally:
+            self.ckpt.close()
             metrics.close(summary=ts.step >= r.steps)
         return result
+
+    def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
+        for w in self.ckpt.warnings:
+            metrics.message(f"allhands: warning: {w}")
+        self.ckpt.warnings.clear()
+
+    def _rollback(self, metrics: MetricsWriter) -> bool:
+        """Reload the last committed checkpoint after a non-finite step; False if there is none
+        (the step is then skipped)."""
+        self.ckpt.wait()
+        ts = self.train_state
+        skips, bad_step = ts.nonfinite_skips + 1, ts.step + 1
+        if self.ckpt.latest() is None:
+            return False
+        self.maybe_resume()
+        ts.nonfinite_skips = skips
+        self.rollbacks += 1
+        metrics.message(f"allhands: warning: non-finite loss or gradient at step {bad_step}; rolled "
+                        f"back to step {ts.step} (rollback {self.rollbacks})")
+        return True
 
     def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
                   dt: float) -> dict[str, Any]:
@@ -260,6 +332,8 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
+            "nonfinite_skips": self.train_state.nonfinite_skips,
+            "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks,
         }
         metrics.log(record)
         return record
