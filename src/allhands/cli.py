@@ -67,6 +67,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drill(args: argparse.Namespace) -> int:
+    from allhands.drill import run_drill
+
+    if args.faults < 1:
+        raise ConfigError(f"--faults: {args.faults} is not allowed; must be >= 1")
+    cfg = load_config(args.config, args.set)
+    validate(cfg)
+    return 0 if run_drill(cfg, _spec(args), faults=args.faults, seed=args.seed) else 1
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from allhands.launch import launch
 
@@ -123,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     _add_launch_args(t)
     t.set_defaults(fn=cmd_train)
+
+    d = sub.add_parser("drill", help="run a job undisturbed and with seeded faults; compare recovery")
+    d.add_argument("config", nargs="?", help="TOML job config")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    d.add_argument("--faults", type=int, default=3, help="faults to inject (default 3)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the fault plan (default 0)")
+    _add_launch_args(d)
+    d.set_defaults(fn=cmd_drill)
 
     la = sub.add_parser("launch", help="run your own script that uses the Python API on N workers")
     _add_launch_args(la)
