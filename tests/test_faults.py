@@ -246,3 +246,19 @@ def test_resume_at_2_to_1_and_2_to_3_sees_the_same_data_and_parameters(token_dir
         train_job(cfg, LaunchSpec(nproc=world), job=job, resume=str(cut))
         assert _steps_seen(cut, world, batch) == reference[3:6], f"2 -> {world}: other data"
         assert_same(a, weights(cfg, cut / "checkpoints" / "step-00000006"), exact=False)
+
+
+def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path, cli_env):
+    sets = [f"--set={s}" for s in (*TINY, "run.steps=5", "checkpoint.interval=2", "fault.backoff_s=0.1",
+                                   f"data.path={token_dir}", f"run.dir={tmp_path / 'drill'}")]
+    r = subprocess.run([*ALLHANDS, "drill", "--nproc", "2", "--faults", "1", "--seed", "4", *sets],
+                       capture_output=True, text=True, env=cli_env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    spec = out[0].split("fault.inject=")[1]
+    assert out[1].split() == ["fault", "(rank:step:kind)", "detect", "s", "recover", "s", "resumed", "at",
+                              "recomputed"]
+    fault, detect, recover, resumed, recomputed = out[2].split()
+    assert fault == spec and float(detect) < float(recover) and int(resumed) in (0, 2, 4)
+    assert int(recomputed) >= 0
+    assert "final parameters EQUAL to the undisturbed run's" in out[3]

@@ -5,11 +5,13 @@ Keys: ``model`` (model + optimizer via ``get_state_dict``), ``scheduler``, ``tra
 data cursor), ``rng`` (per-rank generators), ``sync`` (strategy state). The checkpointer knows
 nothing else about them.
 
-Commit protocol: DCP writes into ``.tmp-step-N``; after every rank has returned from ``dcp.save``
-(which writes ``.metadata`` last) rank 0 writes ``manifest.json`` (size and SHA-256 of every
-file, verified before any load), fsyncs the files and renames the directory to
-``step-N``. A directory without the ``.tmp-`` prefix is therefore complete; a crash mid-save
-leaves only a ``.tmp-`` directory that resume ignores and the next save removes.
+Commit protocol: DCP writes into ``.tmp-step-N`` (``.metadata`` last, after gathering every
+rank's write result); then rank 0 writes ``allhands.json`` (format version, step, resolved
+config), ``manifest.json`` (size and SHA-256 of every file, verified before any load), fsyncs
+the files and renames the directory to ``step-N``. A directory without the ``.tmp-`` prefix is
+therefore complete; a crash mid-save leaves only a ``.tmp-`` directory that resume ignores and a
+later save removes. Saves are asynchronous by default (see ``Checkpointer``); resume falls back
+past a damaged checkpoint to the previous committed one.
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ class Checkpointer:
         self.warnings: list[str] = []
         self._pending: _Pending | None = None
         self._stager: Any = None
+        self._prepared = False
 
     def latest(self) -> tuple[int, Path] | None:
         found = committed(self.dir)
@@ -214,21 +217,32 @@ class Checkpointer:
 
     # -- saving
     def save(self, step: int, state: dict[str, Stateful]) -> None:
-        """Collective. Sync mode: returns after the commit. Async mode: after staging."""
-        self.wait()
+        """Collective. Sync mode: returns after the commit. Async mode: after staging.
+
+        The first save of a process (every save in sync mode) waits for all ranks while rank 0
+        removes the ``.tmp-`` directories of saves a crash interrupted. Later async saves have
+        no collective in the training thread, so a rank's stall is its own copy to host memory
+        (plus the wait for its previous save, if that is still writing); rank 0's commit
+        removes stale ``.tmp-`` directories from then on.
+        """
         final = self.dir / f"step-{step:08d}"
         tmp = self.dir / f".tmp-step-{step:08d}"
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                for stale in self.dir.glob(".tmp-step-*"):  # a crash mid-save; never committed
-                    shutil.rmtree(stale, ignore_errors=True)
-            except OSError as e:
-                error = e
-        if not _agree(error is None):  # also the barrier: nobody writes before the cleanup
-            self._failed(step, tmp, error or RuntimeError("rank 0 could not prepare the directory"))
-            return
+        if self.mode == "sync" or not self._prepared:
+            self.wait()
+            error: BaseException | None = None
+            if self.rank == 0:
+                try:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    for stale in self.dir.glob(".tmp-step-*"):  # a crash mid-save; never committed
+                        shutil.rmtree(stale, ignore_errors=True)
+                except OSError as e:
+                    error = e
+            if not _agree(error is None):  # also the barrier: nobody writes before the cleanup
+                self._failed(step, tmp, error or RuntimeError("rank 0 could not prepare the directory"))
+                return
+            self._prepared = True
+        else:
+            self._wait_here()
         hook = self.writer_hook(step) if self.writer_hook else None
         try:
             if self.mode == "sync":
@@ -280,6 +294,11 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.dir)
+        # Older .tmp- directories are dead saves; a newer one may be another rank already
+        # writing the next save, so only older steps go.
+        for stale in self.dir.glob(".tmp-step-*"):
+            if stale.name[len(".tmp-step-"):].isdigit() and int(stale.name[len(".tmp-step-"):]) < step:
+                shutil.rmtree(stale, ignore_errors=True)
         # Older ones go only now that a newer one is committed.
         for _, old in committed(self.dir)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -291,7 +310,12 @@ class Checkpointer:
             self._settle(p)
 
     def wait(self) -> None:
-        """Collective: block until the save in flight is written and committed."""
+        """Collective: block until the save in flight is written and committed on every rank."""
+        self._wait_here()
+        _barrier()  # every rank: whether or not poll() already settled it here
+
+    def _wait_here(self) -> None:
+        """Not collective: this rank's save in flight is written (and, on rank 0, committed)."""
         p = self._pending
         if p is not None:
             try:
@@ -302,7 +326,6 @@ class Checkpointer:
             if self.rank == 0:
                 p.committed.wait()
             self._settle(p)
-        _barrier()  # every rank: whether or not poll() already settled it here
 
     def _settle(self, p: _Pending) -> None:
         self._pending = None
