@@ -104,16 +104,19 @@ def same_parameters(cfg: Config, a: Path, b: Path) -> bool:
     return all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout) -> bool:
-    """Undisturbed run, faulted run, table. True when the final parameters are equal."""
+def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
+              plan: list[Fault] | None = None) -> bool:
+    """Undisturbed run, faulted run, table. True when the final parameters are equal.
+    ``plan`` replaces the seeded plan (benchmarks place faults at fixed intervals)."""
     from allhands.launch import train_job
 
     spec = spec.validated()
     world = spec.nproc * spec.nnodes
     if cfg.checkpoint.interval < 1:
         raise ConfigError("checkpoint.interval: a drill needs periodic checkpoints; set it >= 1")
-    plan = plan_faults(seed, faults, steps=cfg.run.steps, world_size=world,
-                       ckpt_interval=cfg.checkpoint.interval)
+    if plan is None:
+        plan = plan_faults(seed, faults, steps=cfg.run.steps, world_size=world,
+                           ckpt_interval=cfg.checkpoint.interval)
     base = Path(cfg.run.dir or f"runs/drill-{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if base.exists() and any(base.iterdir()):
         raise ConfigError(f"run.dir: {str(base)!r} is not empty; a drill needs a fresh directory")
