@@ -76,6 +76,20 @@ def test_supervise_restarts_with_backoff_then_gives_up_with_one_line(tmp_path, c
     err = capsys.readouterr().err
     assert "restart 1/2 from the start (no committed checkpoint yet) in 0.2 s" in err
 
+    calls.clear()
+
+    def progressing(n, hb_dir):  # completes steps before failing: no crash loop, no doubling
+        calls.append((n, time.monotonic()))
+        hb = Heartbeat(str(hb_dir), 0)
+        for step in (4, 5, 6):
+            hb.beat(step)
+        raise WorkerFailure("worker rank 0 (pid 1) on node x failed: killed by SIGKILL")
+
+    with pytest.raises(LaunchError, match="gave up after 2 restart"):
+        supervise(progressing, policy, run_dir=None)
+    gaps = [b - a for (_, a), (_, b) in zip(calls, calls[1:])]
+    assert all(0.2 <= g < 0.39 for g in gaps), gaps
+
     ok = []
     supervise(lambda n, hb: ok.append(n) if n else (_ for _ in ()).throw(WorkerFailure("x killed")),
               RestartPolicy(max_restarts=1, backoff_s=0), run_dir=None)
@@ -109,7 +123,7 @@ def test_watchdog_kills_a_stalled_process_and_records_it(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:
         for rank, (p, step) in enumerate(zip(procs, (3, 4))):
-            (tmp_path / f"rank-{rank}").write_text(f"{p.pid} {step} {time.time()!r} host 0\n")
+            (tmp_path / f"rank-{rank}").write_text(f"{p.pid} {step} {time.time()!r} host 0 1\n")
         t0 = time.monotonic()
         with Watchdog(tmp_path, 0.5) as dog:
             assert procs[0].wait(timeout=10) == -9
@@ -125,8 +139,9 @@ def test_watchdog_kills_a_stalled_process_and_records_it(tmp_path):
 def test_heartbeat_round_trips(tmp_path):
     hb = Heartbeat(str(tmp_path), 3)
     hb.beat(7)
-    (pid, step, t, host, done), = read_heartbeats(tmp_path).values()
-    assert step == 7 and not done and abs(t - time.time()) < 5
+    hb.beat(8)
+    (pid, step, t, host, done, first), = read_heartbeats(tmp_path).values()
+    assert (step, first) == (8, 7) and not done and abs(t - time.time()) < 5
     hb.beat(9, done=True)
     assert read_heartbeats(tmp_path)[3][4]
     Heartbeat("", 0).beat(1)  # outside a supervised job: nothing to do

@@ -95,7 +95,8 @@ class FaultConfig:
     """Surviving failures: restarts, the hang watchdog, non-finite numbers, injected faults."""
 
     max_restarts: int = _f(0, "restart all workers from the last checkpoint this many times, >= 0")
-    backoff_s: float = _f(1.0, "wait before restart k: backoff_s * 2**(k-1), capped at 60 s; >= 0")
+    backoff_s: float = _f(1.0, "wait before a restart: backoff_s * 2**(k-1) after k failures in a row "
+                                    "that completed no step, capped at 60 s; >= 0")
     hang_timeout_s: float = _f(180.0, "kill a worker with no step progress for this long; 0 disables")
     nonfinite: str = _f("skip", "on a NaN/Inf loss or gradient: skip (the update), rollback, or stop")
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")

@@ -79,12 +79,14 @@ class Heartbeat:
     def __init__(self, directory: str, rank: int):
         self.path = Path(directory) / f"rank-{rank}" if directory else None
         self.pid, self.host = os.getpid(), socket.gethostname()
+        self.first: int | None = None
 
     def beat(self, step: int, done: bool = False) -> None:
         if self.path is None:
             return
+        self.first = step if self.first is None else self.first
         tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
-        tmp.write_text(f"{self.pid} {step} {time.time()!r} {self.host} {int(done)}\n")
+        tmp.write_text(f"{self.pid} {step} {time.time()!r} {self.host} {int(done)} {self.first}\n")
         os.replace(tmp, self.path)
 
 
@@ -103,13 +105,13 @@ class Hang:
                 f"the watchdog killed it")
 
 
-def read_heartbeats(directory: Path) -> dict[int, tuple[int, int, float, str, bool]]:
-    """``{rank: (pid, step, time, host, done)}`` for every readable heartbeat file."""
+def read_heartbeats(directory: Path) -> dict[int, tuple[int, int, float, str, bool, int]]:
+    """``{rank: (pid, step, time, host, done, first step)}`` for every readable heartbeat file."""
     out = {}
     for p in directory.glob("rank-*"):
         try:
-            pid, step, t, host, done = p.read_text().split()
-            out[int(p.name[5:])] = (int(pid), int(step), float(t), host, done == "1")
+            pid, step, t, host, done, first = p.read_text().split()
+            out[int(p.name[5:])] = (int(pid), int(step), float(t), host, done == "1", int(first))
         except (OSError, ValueError):
             continue
     return out
@@ -182,9 +184,10 @@ class Watchdog:
                 # Its peers, blocked on it, go stale next; the agent stops them within a second.
                 holdoff_until = now + max(10.0, self.timeout)
 
-    def max_step(self) -> int:
-        beats = read_heartbeats(self.dir)
-        return max((b[1] for b in beats.values()), default=-1)
+    def progressed(self) -> bool:
+        """Did this attempt complete a step? The first beat is the resumed step S, the next
+        'working on S+1', so a completed step shows as S+2."""
+        return any(b[1] >= b[5] + 2 for b in read_heartbeats(self.dir).values())
 
 
 # --------------------------------------------------------------------------- the loop
@@ -216,7 +219,7 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
     """Run ``attempt(n, heartbeat_dir)`` until it succeeds; on a ``WorkerFailure`` say who failed
     and why, then restart with backoff (``restart_here``), or stop with one line and
     ``LaunchError`` once ``policy.max_restarts`` are used up or the cause is fatal."""
-    restarts = flakes = 0
+    restarts = flakes = stalled = 0
     root = Path(tempfile.mkdtemp(prefix="allhands-hb-"))
     n = 0
     try:
@@ -233,7 +236,7 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
                     if dog.hangs:
                         summary = "; ".join([h.describe(policy.hang_timeout_s) for h in dog.hangs]
                                             + [summary])
-                    progressed = dog.max_step() > 0
+                    progressed = dog.progressed()
             verdict = policy.decide(summary, restarts, flakes, progressed) if restart_here else "give_up"
             record = {"attempt": n, "failed_at": failed_at, "summary": summary, "verdict": verdict,
                       "hang": bool(dog.hangs), "resume_from": _restart_point(run_dir)}
@@ -249,9 +252,12 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
                 delay = 1.0
                 what = f"start-up flake, retry {flakes}/{MAX_FLAKE_RETRIES} (not counted)"
             else:
+                # The backoff doubles while attempts fail before completing a step, and starts
+                # over once one made progress: a fault every few hours is not a crash loop.
                 restarts += 1
                 flakes = 0
-                delay = policy.delay(restarts)
+                stalled = 0 if progressed else stalled + 1
+                delay = policy.delay(max(1, stalled))
                 what = f"restart {restarts}/{policy.max_restarts}"
             record["delay_s"] = delay
             _log_event(run_dir, record)
