@@ -2,9 +2,11 @@
 checkpointing every N steps.
 
 Two gloo ranks train the reference GPT with DDP + AdamW (the allhands state: model, optimizer,
-step, RNG) and save through allhands' Checkpointer. Each round runs three blocks of ``--interval``
-steps in the same processes: no save (baseline), then a sync save, then an async save, so machine
-noise hits all three alike. Figures:
+step, RNG) and save through allhands' Checkpointer. Each round runs three series of
+``--blocks`` x ``--interval`` steps in the same processes: no save (baseline), an async save after
+each block (the series ends when its last write is committed), and the same with sync saves, so
+machine noise hits all three alike. One save per mode before the rounds prepares the
+directories and the host buffers. Figures:
 
 - stall: wall time the training thread spends inside ``Checkpointer.save`` (sync: the whole DCP
   write, manifest, fsync and rename; async: the copy to host memory, plus any wait for the

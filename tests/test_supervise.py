@@ -223,3 +223,21 @@ def test_elastic_nnodes_range_must_keep_the_global_batch_divisible(tmp_path, tok
         train_job(cfg, spec)
     with pytest.raises(ConfigError, match="--nnodes"):
         LaunchSpec(nproc=2, nnodes=2, min_nodes=3, rdzv_endpoint="h:1").validated()
+
+
+def test_injected_faults_fire_once_per_run_directory(tmp_path):
+    from allhands.faults import FaultInjector, InjectedFault, fired_at
+
+    inj = FaultInjector("0:2:exception,0:3:oom,0:4:nan,1:2:exception", 0, tmp_path)
+    loss = torch.tensor(1.0)
+    assert inj.after_forward(1, loss) is loss
+    with pytest.raises(InjectedFault, match="step 2"):
+        inj.after_forward(2, loss)
+    with pytest.raises(torch.OutOfMemoryError):
+        inj.after_forward(3, loss)
+    assert torch.isnan(inj.after_forward(4, loss))
+    again = FaultInjector("0:2:exception,0:3:oom,0:4:nan", 0, tmp_path)  # the restarted worker
+    assert all(again.after_forward(s, loss) is loss for s in (2, 3, 4))
+    assert set(fired_at(tmp_path)) == {"0:2:exception", "0:3:oom", "0:4:nan"}
+    assert FaultInjector("1:5:ckpt", 1, tmp_path).ckpt_writer_hook(4) is None
+    assert FaultInjector("1:5:ckpt", 1, tmp_path).ckpt_writer_hook(6) is not None

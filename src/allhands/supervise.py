@@ -242,7 +242,7 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
                       "hang": bool(dog.hangs), "resume_from": _restart_point(run_dir)}
             if verdict in ("fatal", "give_up"):
                 _log_event(run_dir, record)
-                if verdict == "fatal" or not restart_here:
+                if verdict == "fatal" or not restart_here or policy.max_restarts == 0:
                     raise LaunchError(summary) from None
                 raise LaunchError(f"{summary}; gave up after {restarts} restart(s) "
                                   f"(fault.max_restarts={policy.max_restarts}); the last committed "
