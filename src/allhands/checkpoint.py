@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -326,6 +327,26 @@ class Checkpointer:
             if self.rank == 0:
                 p.committed.wait()
             self._settle(p)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Not collective, for a rank on its way out with an error: give the save in flight up
+        to ``timeout_s`` to commit, so a failure two steps after a save does not lose it. The
+        writer thread's collectives run on their own group, so they complete even while the
+        other ranks' training threads are blocked on this one. Other ranks cannot see rank 0's
+        commit except as the renamed directory, so they watch for it."""
+        p = self._pending
+        if p is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            p.future.result(timeout=timeout_s)
+        except BaseException:
+            return
+        if self.rank == 0:
+            p.committed.wait(max(0.0, deadline - time.monotonic()))
+            return
+        while not p.final.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _settle(self, p: _Pending) -> None:
         self._pending = None

@@ -27,7 +27,7 @@ from allhands.config import Config
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
-from allhands.faults import FaultInjector, NonFiniteError, NonFiniteGuard
+from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.launch import worker_env
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
@@ -287,8 +287,8 @@ class Trainer:
                                       f"last committed one is intact; free space or fix permissions "
                                       f"of {str(self.ckpt.dir)!r} and resume")
             self.heartbeat.beat(ts.step, done=True)
-        except NonFiniteError:
-            self.ckpt.wait()  # every rank raised it alike: let the save in flight commit first
+        except BaseException:
+            self.ckpt.drain()  # a failure shortly after a save: let that save commit first
             raise
         finally:
             self.ckpt.close()
