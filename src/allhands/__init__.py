@@ -37,6 +37,8 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
         if env.world_size > 1 and not (cfg.run.dir or resume):
             raise ConfigError("run.dir: set it when training under a launcher, so that every worker "
                               "writes to the same run directory")
+        if env.attempt and cfg.run.dir and not resume:  # restarted by the supervisor: continue
+            resume = cfg.run.dir
         cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0)
         return run_training(cfg, Job(model=model, data=data, loss=loss, tp_plan=tp_plan))
 

@@ -5,33 +5,43 @@ Keys: ``model`` (model + optimizer via ``get_state_dict``), ``scheduler``, ``tra
 data cursor), ``rng`` (per-rank generators), ``sync`` (strategy state). The checkpointer knows
 nothing else about them.
 
-Commit protocol: DCP writes into ``.tmp-step-N``; after every rank has returned from ``dcp.save``
-(which writes ``.metadata`` last) rank 0 writes ``manifest.json`` (size and SHA-256 of every
-file, verified before any load), fsyncs the files and renames the directory to
-``step-N``. A directory without the ``.tmp-`` prefix is therefore complete; a crash mid-save
-leaves only a ``.tmp-`` directory that resume ignores and the next save removes.
+Commit protocol: DCP writes into ``.tmp-step-N`` (``.metadata`` last, after gathering every
+rank's write result); then rank 0 writes ``allhands.json`` (format version, step, resolved
+config), ``manifest.json`` (size and SHA-256 of every file, verified before any load), fsyncs
+the files and renames the directory to ``step-N``. A directory without the ``.tmp-`` prefix is
+therefore complete; a crash mid-save leaves only a ``.tmp-`` directory that resume ignores and a
+later save removes. Saves are asynchronous by default (see ``Checkpointer``); resume falls back
+past a damaged checkpoint to the previous committed one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from allhands.errors import CheckpointError, first_line
+from allhands.errors import CheckpointError, ConfigError, first_line
 from allhands.security import SafeFileSystemReader, checkpoint_error_from, verify_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+# allhands.json in every checkpoint: the format version, the step and the resolved config.
+META_NAME = "allhands.json"
+FORMAT_VERSION = 1
 
 
 class ModelOptimState(Stateful):
@@ -185,48 +195,229 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _Writer(FileSystemWriter):
+    """DCP's file writer (fsyncs every file) with an optional hook run after this rank's files
+    are written: the ``ckpt`` fault kills the worker there, i.e. mid-checkpoint."""
+
+    def __init__(self, path: Path, after_write: Callable[[], None] | None = None):
+        super().__init__(path, sync_files=True)
+        self._after_write = after_write
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        if self._after_write is not None:
+            fut.wait()
+            self._after_write()
+        return fut
+
+
+@dataclass
+class _Pending:
+    """The one save in flight: its future, and (rank 0) whether its commit has run."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Any
+    committed: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 class Checkpointer:
-    def __init__(self, ckpt_dir: str | os.PathLike, *, rank: int, keep_last: int = 2):
+    """Saves and loads the state dict of ``Stateful`` objects under the commit protocol above.
+
+    ``mode="async"``: ``save`` returns once DCP's stager has copied the state to host memory;
+    DCP writes in a background thread whose collectives run on ``group`` (a gloo group of its
+    own, so they never interleave with the training collectives on the default group). Rank 0
+    commits (manifest, fsync, rename, keep_last) in the future's done-callback, i.e. only after
+    every rank's write and the ``.metadata`` succeeded, since DCP gathers every rank's write
+    result before the coordinator writes ``.metadata``. At most one save is in flight: the next
+    ``save``, ``wait`` or the end of training waits for it.
+
+    A failed save (disk full, unwritable directory: DCP raises ``CheckpointException``, a
+    ``BaseException``) never raises here: it is counted in ``failures``, its temporary directory
+    is removed, a one-line warning is queued in ``warnings``, and the previous checkpoint and the
+    training state are untouched. The caller decides whether that is fatal (the trainer: only
+    for the final save).
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, *, rank: int, keep_last: int = 2,
+                 mode: str = "sync", group: dist.ProcessGroup | None = None,
+                 meta: dict[str, Any] | None = None,
+                 writer_hook: Callable[[int], Callable[[], None] | None] | None = None):
         self.dir = Path(ckpt_dir)
         self.rank = rank
         self.keep_last = keep_last
+        self.mode = mode
+        self.group = group
+        self.meta = meta or {}
+        self.writer_hook = writer_hook
+        self.failures = 0
+        self.warnings: list[str] = []
+        self._pending: _Pending | None = None
+        self._stager: Any = None
+        self._prepared = False
 
     def latest(self) -> tuple[int, Path] | None:
         found = committed(self.dir)
         return found[-1] if found else None
 
-    def save(self, step: int, state: dict[str, Stateful]) -> Path:
+    # -- saving
+    def save(self, step: int, state: dict[str, Stateful]) -> None:
+        """Collective. Sync mode: returns after the commit. Async mode: after staging.
+
+        The first save of a process (every save in sync mode) waits for all ranks while rank 0
+        removes the ``.tmp-`` directories of saves a crash interrupted. Later async saves have
+        no collective in the training thread, so a rank's stall is its own copy to host memory
+        (plus the wait for its previous save, if that is still writing); rank 0's commit
+        removes stale ``.tmp-`` directories from then on.
+        """
         final = self.dir / f"step-{step:08d}"
         tmp = self.dir / f".tmp-step-{step:08d}"
-        if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".tmp-step-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-        _barrier()
+        if self.mode == "sync" or not self._prepared:
+            self.wait()
+            error: BaseException | None = None
+            if self.rank == 0:
+                try:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    for stale in self.dir.glob(".tmp-step-*"):  # a crash mid-save; never committed
+                        shutil.rmtree(stale, ignore_errors=True)
+                except OSError as e:
+                    error = e
+            if not _agree(error is None):  # also the barrier: nobody writes before the cleanup
+                self._failed(step, tmp, error or RuntimeError("rank 0 could not prepare the directory"))
+                return
+            self._prepared = True
+        else:
+            self._wait_here()
+        hook = self.writer_hook(step) if self.writer_hook else None
         try:
-            dcp.save(state, checkpoint_id=tmp)
+            if self.mode == "sync":
+                dcp.save(state, storage_writer=_Writer(tmp, hook))
+                _barrier()
+                if self.rank == 0:
+                    self._commit(step, tmp, final)
+                _barrier()
+                return
+            fut = dcp.async_save(state, storage_writer=_Writer(tmp, hook), process_group=self.group,
+                                 async_stager=self._stager_once())
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"saving checkpoint step {step} to {str(tmp)!r} failed "
-                                  f"({first_line(e)}); check free space and permissions of "
-                                  f"{str(self.dir)!r}; earlier checkpoints are untouched") from e
-        _barrier()
+            self._failed(step, tmp, e)
+            return
+        pending = _Pending(step, tmp, final, fut)
         if self.rank == 0:
-            write_manifest(tmp)  # sizes and SHA-256 of every file, checked on resume
-            _fsync_tree(tmp)
-            if final.exists():  # re-saving the same step after a restart
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.dir)
-            for _, old in committed(self.dir)[:-self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        _barrier()
-        return final
+            fut.add_done_callback(lambda _f, p=pending: self._commit_when_written(p))
+        self._pending = pending
 
-    def load(self, path: Path, state: dict[str, Stateful]) -> None:
+    def _stager_once(self):
+        """One stager for the whole run: it keeps its host buffers (pinned on CUDA) between saves."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False,
+                                                        use_non_blocking_copy=False))
+        return self._stager
+
+    def _commit_when_written(self, p: _Pending) -> None:
+        """Rank 0, in DCP's writer thread once every rank's write and .metadata are done."""
+        try:
+            p.future.result()
+            self._commit(p.step, p.tmp, p.final)
+        except BaseException as e:  # recorded; wait()/poll() report it in the training thread
+            p.error = e
+        finally:
+            p.committed.set()
+
+    def _commit(self, step: int, tmp: Path, final: Path) -> None:
+        (tmp / META_NAME).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **self.meta},
+                                                indent=1) + "\n")
+        write_manifest(tmp)  # sizes and SHA-256 of every file, checked on resume
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step after a restart
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        # Older .tmp- directories are dead saves; a newer one may be another rank already
+        # writing the next save, so only older steps go.
+        for stale in self.dir.glob(".tmp-step-*"):
+            if stale.name[len(".tmp-step-"):].isdigit() and int(stale.name[len(".tmp-step-"):]) < step:
+                shutil.rmtree(stale, ignore_errors=True)
+        # Older ones go only now that a newer one is committed.
+        for _, old in committed(self.dir)[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def poll(self) -> None:
+        """Non-blocking, not collective: settle a finished background save on this rank."""
+        p = self._pending
+        if p is not None and p.future.done() and (self.rank != 0 or p.committed.is_set()):
+            self._settle(p)
+
+    def wait(self) -> None:
+        """Collective: block until the save in flight is written and committed on every rank."""
+        self._wait_here()
+        _barrier()  # every rank: whether or not poll() already settled it here
+
+    def _wait_here(self) -> None:
+        """Not collective: this rank's save in flight is written (and, on rank 0, committed)."""
+        p = self._pending
+        if p is not None:
+            try:
+                p.future.result()
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+            if self.rank == 0:
+                p.committed.wait()
+            self._settle(p)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Not collective, for a rank on its way out with an error: give the save in flight up
+        to ``timeout_s`` to commit, so a failure two steps after a save does not lose it. The
+        writer thread's collectives run on their own group, so they complete even while the
+        other ranks' training threads are blocked on this one. Other ranks cannot see rank 0's
+        commit except as the renamed directory, so they watch for it."""
+        p = self._pending
+        if p is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            p.future.result(timeout=timeout_s)
+        except BaseException:
+            return
+        if self.rank == 0:
+            p.committed.wait(max(0.0, deadline - time.monotonic()))
+            return
+        while not p.final.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _settle(self, p: _Pending) -> None:
+        self._pending = None
+        err = p.error if self.rank == 0 else p.future.exception()
+        if err is not None:
+            self._failed(p.step, p.tmp, err)
+
+    def _failed(self, step: int, tmp: Path, e: BaseException) -> None:
+        self.failures += 1
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial file would keep a full disk full
+        self.warnings.append(f"checkpoint step {step} was not saved ({_cause(e)}); check free space "
+                             f"and permissions of {str(self.dir)!r}; the last committed checkpoint "
+                             f"and the training state are intact")
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # -- loading
+    def load(self, path: Path, state: dict[str, Stateful], verify: bool = True) -> None:
         """Verify the manifest, then load through the reader that never unpickles code."""
-        verify_manifest(path)
+        if verify:
+            verify_manifest(path)
         reader = SafeFileSystemReader(path)
         try:
             dcp.load(state, storage_reader=reader)
@@ -239,9 +430,85 @@ class Checkpointer:
             raise CheckpointError(f"loading checkpoint {str(path)!r} failed ({first_line(e)}); "
                                   f"it may be from another model or config, or damaged") from e
 
+    def load_latest(self, state_for: Callable[[int, Path], dict[str, Stateful]],
+                    warn: Callable[[str], None]) -> tuple[int, Path] | None:
+        """Load the newest committed checkpoint that verifies; a damaged one is named in one
+        line and the previous one is tried. Raises the newest one's error if none loads.
+        Every rank reads the same files, so every rank settles on the same checkpoint."""
+        first_error: CheckpointError | None = None
+        for step, path in reversed(committed(self.dir)):
+            try:
+                verify_manifest(path)
+                self.load(path, state_for(step, path), verify=False)
+                return step, path
+            except CheckpointError as e:
+                first_error = first_error or e
+                warn(f"allhands: warning: {e}; falling back to the previous checkpoint")
+        if first_error is not None:
+            raise first_error
+        return None
+
     def saved_keys(self, path: Path) -> set[str]:
         """Flattened state keys present in a committed checkpoint."""
         return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def _cause(e: BaseException) -> str:
+    """One line for a failed save: DCP wraps the OSError of a full or read-only disk."""
+    for wrapped in (getattr(e, "failures", None) or {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(inner, BaseException):
+            return _cause(inner)
+    cause = e.__cause__ or e.__context__
+    if not isinstance(e, OSError) and cause is not None:
+        return _cause(cause)
+    return first_line(e)
+
+
+# Fields that change the shapes of saved tensors or the meaning of the saved data cursor (the
+# sample order is a function of data.seed and run.global_batch) or of the sync strategy's state.
+# Everything else (optim.*, run.steps, intervals, fault.*, world size) may change on resume.
+INCOMPATIBLE = ("model.n_layer", "model.n_head", "model.n_embd", "model.seq_len", "model.vocab_size",
+                "model.bias", "data.seed", "run.global_batch", "parallel.sync")
+
+
+def check_compatible(path: Path, config: dict[str, dict[str, Any]]) -> None:
+    """Refuse to resume ``path`` with a config whose incompatible fields differ from the saved
+    one, naming every differing field in one line. Checkpoints without ``allhands.json`` pass."""
+    meta_file = path / META_NAME
+    if not meta_file.is_file():
+        return
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{str(meta_file)!r} is unreadable ({first_line(e)}); use another "
+                              f"checkpoint") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')!r}, this "
+                              f"allhands reads format {FORMAT_VERSION}; use a matching allhands")
+    saved = meta.get("config") or {}
+    diffs = []
+    for dotted in INCOMPATIBLE:
+        sec, name = dotted.split(".")
+        if name not in saved.get(sec, {}) or name not in config.get(sec, {}):
+            continue
+        if saved[sec][name] != config[sec][name]:
+            diffs.append(f"{dotted} (saved {saved[sec][name]!r}, now {config[sec][name]!r})")
+    if diffs:
+        raise ConfigError(f"{diffs[0].split(' ')[0]}: the config differs from checkpoint "
+                          f"{str(path)!r} in {', '.join(diffs)}; these change the model or data "
+                          f"order, so resume with the saved values or start a new run.dir")
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (one all_reduce; also a barrier)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
 
 
 def _barrier() -> None:

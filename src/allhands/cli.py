@@ -18,7 +18,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workers and nodes")
     g.add_argument("--nproc", type=int, default=0,
                    help="worker processes on this node (default: one per GPU, or 2 on CPU)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes in the job (default 1); MIN:MAX lets it continue on fewer nodes")
     g.add_argument("--node-rank", type=int, default=0,
                    help="this node's rank; node 0 hosts the rendezvous")
     g.add_argument("--rdzv-endpoint", default="",
@@ -27,8 +28,9 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="this node's address as the other nodes reach it (multi-node)")
     g.add_argument("--port", type=int, default=0,
                    help="single-node rendezvous port on 127.0.0.1 (default: a free one)")
-    g.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all workers this many times after a failure (default 0)")
+    g.add_argument("--max-restarts", type=int, default=-1,
+                   help="restart all workers this many times after a failure (default: "
+                        "fault.max_restarts of the config, else 0)")
     s = p.add_argument_group("security (SECURITY.md)")
     s.add_argument("--bind", default="", metavar="ADDR",
                    help="address this node's listeners bind to (default: 127.0.0.1 on one node; "
@@ -44,10 +46,13 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 def _spec(args: argparse.Namespace):
     from allhands.launch import LaunchSpec
 
-    return LaunchSpec(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+    lo, _, hi = str(args.nnodes).partition(":")
+    if not (lo.isdigit() and (hi or lo).isdigit()):
+        raise ConfigError(f"--nnodes: {args.nnodes!r} is not N or MIN:MAX, e.g. 2 or 1:2")
+    return LaunchSpec(nproc=args.nproc, nnodes=int(hi or lo), node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, local_addr=args.local_addr, port=args.port,
-                      max_restarts=args.max_restarts, bind=args.bind,
-                      secret_file=args.secret_file, insecure=args.insecure)
+                      max_restarts=args.max_restarts, min_nodes=int(lo) if hi else 0,
+                      bind=args.bind, secret_file=args.secret_file, insecure=args.insecure)
 
 
 def _config_from(args: argparse.Namespace):
@@ -71,6 +76,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = _spec(args).validated()
     train_job(cfg, spec, resume=args.resume)
     return 0
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    from allhands.drill import run_drill
+
+    if args.faults < 1:
+        raise ConfigError(f"--faults: {args.faults} is not allowed; must be >= 1")
+    cfg = load_config(args.config, args.set)
+    validate(cfg)
+    return 0 if run_drill(cfg, _spec(args), faults=args.faults, seed=args.seed) else 1
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -139,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     _add_launch_args(t)
     t.set_defaults(fn=cmd_train)
+
+    d = sub.add_parser("drill", help="run a job undisturbed and with seeded faults; compare recovery")
+    d.add_argument("config", nargs="?", help="TOML job config")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    d.add_argument("--faults", type=int, default=3, help="faults to inject (default 3)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the fault plan (default 0)")
+    _add_launch_args(d)
+    d.set_defaults(fn=cmd_drill)
 
     la = sub.add_parser("launch", help="run your own script that uses the Python API on N workers")
     _add_launch_args(la)

@@ -104,6 +104,22 @@ class CheckpointConfig:
     at_end: bool = _f(True, "save a checkpoint after the last step")
     init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
 
+    mode: str = _f("async", "async (only the copy to host memory blocks the step) or sync")
+
+
+@dataclass
+class FaultConfig:
+    """Surviving failures: restarts, the hang watchdog, non-finite numbers, injected faults."""
+
+    max_restarts: int = _f(0, "restart all workers from the last checkpoint this many times, >= 0")
+    backoff_s: float = _f(1.0, "wait before a restart: backoff_s * 2**(k-1) after k failures in a row "
+                                    "that completed no step, capped at 60 s; >= 0")
+    hang_timeout_s: float = _f(180.0, "kill a worker with no step progress for this long; 0 disables")
+    nonfinite: str = _f("skip", "on a NaN/Inf loss or gradient: skip (the update), rollback, or stop")
+    max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
+    inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
+                         "exception, oom, hang, nan, ckpt (kill during the checkpoint write)")
+
 
 @dataclass
 class LogConfig:
@@ -142,6 +158,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -273,6 +290,8 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check_parallel(p)
     _check(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)", c.interval)
     _check(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
+    _check(c.mode in ("async", "sync"), "checkpoint.mode", "allowed: async, sync", c.mode)
+    _validate_fault(cfg.fault)
     _check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
     _check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
     _check(r.steps >= 1, "run.steps", "must be >= 1", r.steps)
@@ -427,6 +446,17 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     if p.pp_schedule == "interleaved1f1b" and mb % max(1, mb // pp):
         raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
                           f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
+
+def _validate_fault(f: FaultConfig) -> None:
+    _check(f.max_restarts >= 0, "fault.max_restarts", "must be >= 0", f.max_restarts)
+    _check(f.backoff_s >= 0, "fault.backoff_s", "must be >= 0", f.backoff_s)
+    _check(f.hang_timeout_s >= 0, "fault.hang_timeout_s", "must be >= 0 (0 disables)", f.hang_timeout_s)
+    _check(f.nonfinite in ("skip", "rollback", "stop"), "fault.nonfinite",
+           "allowed: skip, rollback, stop", f.nonfinite)
+    _check(f.max_nonfinite >= 1, "fault.max_nonfinite", "must be >= 1", f.max_nonfinite)
+    from allhands.faults import parse_faults  # the spec's grammar lives with the injector
+
+    parse_faults(f.inject)
 
 
 # --------------------------------------------------------------------------- output

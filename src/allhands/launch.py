@@ -36,14 +36,18 @@ class WorkerEnv:
     local_rank: int
     world_size: int
     launched: bool
+    attempt: int = 0  # restarts before this one (ours or torch's agent's)
+    heartbeat_dir: str = ""  # where the supervisor's hang watchdog expects heartbeats
 
 
 def worker_env() -> WorkerEnv:
     """Rank and world size as torch's launcher set them (0/0/1 when run in-process)."""
     e = os.environ
     launched = "RANK" in e and "WORLD_SIZE" in e and "MASTER_ADDR" in e
+    attempt = int(e.get("ALLHANDS_ATTEMPT", 0)) + int(e.get("TORCHELASTIC_RESTART_COUNT", 0))
     return WorkerEnv(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1)),
-                     launched)
+                     launched, attempt if launched else 0,
+                     e.get("ALLHANDS_HEARTBEAT_DIR", "") if launched else "")
 
 
 def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
@@ -53,6 +57,8 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
 
     env = worker_env()
     p = cfg.parallel
+    if env.attempt:  # an elastic restart may bring fewer workers: the batch must still divide
+        validate(cfg, world_size=env.world_size, need_data=False)
     mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
                       dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s)
@@ -155,8 +161,9 @@ class LaunchSpec:
     rdzv_endpoint: str = ""
     local_addr: str = ""
     port: int = 0
-    max_restarts: int = 0
+    max_restarts: int = -1
     run_id: str = ""
+    min_nodes: int = 0
     bind: str = ""
     secret_file: str = ""
     insecure: bool = False
@@ -174,6 +181,11 @@ class LaunchSpec:
         if s.nnodes < 1 or not 0 <= s.node_rank < s.nnodes:
             raise ConfigError(f"--node-rank: {s.node_rank} is not allowed with --nnodes {s.nnodes}; "
                               f"must be in [0, {s.nnodes})")
+        if s.max_restarts < -1:
+            raise ConfigError(f"--max-restarts: {s.max_restarts} is not allowed; must be >= 0")
+        if not 0 <= s.min_nodes <= s.nnodes:
+            raise ConfigError(f"--nnodes: minimum {s.min_nodes} is not allowed; MIN:MAX needs "
+                              f"1 <= MIN <= MAX")
         if s.nnodes > 1 and not s.rdzv_endpoint:
             raise ConfigError("--rdzv-endpoint: required with --nnodes > 1, e.g. node0:29400")
         if s.rdzv_endpoint and not s.rdzv_endpoint.rpartition(":")[2].isdigit():
@@ -215,30 +227,52 @@ def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
 
 
 def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 0,
-           log_dir: Path | None = None) -> None:
-    """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker.
+           log_dir: Path | None = None, policy: Any = None, run_dir: Path | None = None) -> None:
+    """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker, under
+    supervision (supervise.py): failures are named as they happen and restarted per ``policy``.
 
-    Raises LaunchError with one line per failed rank when any worker fails.
+    Raises LaunchError with one line per failed rank when the job fails for good.
     """
+    from allhands.supervise import RestartPolicy, supervise
+
+    spec = spec.validated()
+    _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
+    if policy is None:
+        policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
+
+    def attempt(n: int, heartbeat_dir: Path) -> None:
+        # The workers inherit these; worker_env() reads them back.
+        os.environ["ALLHANDS_ATTEMPT"] = str(n)
+        os.environ["ALLHANDS_HEARTBEAT_DIR"] = str(heartbeat_dir)
+        agent_restarts = policy.max_restarts if spec.multi_node else 0
+        _launch_once(entrypoint, args, spec, log_dir=log_dir, agent_restarts=agent_restarts)
+
+    # Multi-node: torch's agent restarts (it re-rendezvouses every node); single node: we do.
+    supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
+
+
+def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
+                 log_dir: Path | None, agent_restarts: int) -> None:
+    """One elastic_launch with a fresh rendezvous; a worker failure is a WorkerFailure."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    spec = spec.validated()
-    _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
+    from allhands.supervise import WorkerFailure
+
     run_id = spec.run_id or _default_run_id(spec)
     with _secured(spec, run_id) as listeners:
         config = LaunchConfig(
-            min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
+            min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
             run_id=run_id, rdzv_backend=listeners.backend, rdzv_endpoint=listeners.endpoint,
-            rdzv_configs=listeners.rdzv_configs, max_restarts=spec.max_restarts,
+            rdzv_configs=listeners.rdzv_configs, max_restarts=agent_restarts,
             monitor_interval=0.1, start_method="spawn", local_addr=listeners.local_addr,
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
         )
         try:
             elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as e:
-            raise LaunchError(failure_summary(e)) from None
+            raise WorkerFailure(failure_summary(e)) from None
 
 
 @contextlib.contextmanager
@@ -304,7 +338,7 @@ def failure_summary(e: Any) -> str:
             msg = f"killed by {f.signal_name()}"
         else:
             msg = f"exited with code {f.exitcode} (its output above says why)"
-        lines.append(f"worker rank {rank} (pid {f.pid}) failed: {msg}")
+        lines.append(f"worker rank {rank} (pid {f.pid}) on node {socket.gethostname()} failed: {msg}")
     return "; ".join(lines)
 
 
@@ -358,8 +392,26 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
         cfg.run.threads = max(1, (os.cpu_count() or 1) // spec.nproc)
     cfg = resolve_run(cfg, resume=resume, world_size=spec.nproc * spec.nnodes,
                       multi_node=spec.multi_node)
+    for nodes in range(spec.min_nodes or spec.nnodes, spec.nnodes):
+        # An elastic job may continue on fewer nodes; the same global batch (hence the same data
+        # order, sampler.py) must divide at every size it can shrink to.
+        try:
+            validate(cfg, world_size=nodes * spec.nproc, need_data=False)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (--nnodes {spec.min_nodes}:{spec.nnodes} may shrink the job to "
+                              f"{nodes} node(s) x {spec.nproc} workers)") from None
     print(f"allhands: run directory {cfg.run.dir} ({spec.nnodes} node(s) x {spec.nproc} worker(s))",
           file=sys.stderr, flush=True)
     launch(_worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
-           log_dir=Path(cfg.run.dir) / "logs")
+           log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
+           run_dir=Path(cfg.run.dir))
     return cfg
+
+
+def restart_policy(cfg: Config, spec: LaunchSpec):
+    """``--max-restarts`` (when given) wins over ``fault.max_restarts``."""
+    from allhands.supervise import RestartPolicy
+
+    f = cfg.fault
+    restarts = spec.max_restarts if spec.max_restarts >= 0 else f.max_restarts
+    return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s)

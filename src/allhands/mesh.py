@@ -47,6 +47,7 @@ class Mesh:
     device_mesh: DeviceMesh
     sizes: dict[str, int] = field(default_factory=dict)
     dp_mesh: DeviceMesh | None = None
+    _ckpt_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     DIMS = MESH_DIMS
 
@@ -127,6 +128,14 @@ class Mesh:
 
     def describe(self) -> str:
         return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS)
+
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for DCP's asynchronous saves, whose collectives run in a
+        writer thread: on a group of their own they never interleave with the training
+        collectives of the main thread. Collective on first call: every rank calls it alike."""
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
 
     def destroy(self) -> None:
         if dist.is_initialized():

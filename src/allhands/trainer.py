@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState, seed_rank
+from allhands.checkpoint import (Checkpointer, ModelOptimState, RNGState, TrainState, check_compatible,
+                                 seed_rank)
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
+from allhands.faults import FaultInjector, NonFiniteGuard
+from allhands.launch import worker_env
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter
 from allhands.models import GPT, GPTConfig
@@ -33,6 +37,7 @@ from allhands.memory import local, log_memory, peak_memory, state_bytes
 from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
 from allhands.parallel.pipeline import build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import optimizer_for_checkpoint
+from allhands.supervise import Heartbeat
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]
@@ -196,8 +201,15 @@ class Trainer:
                             if self.val_ds is not None and len(self.val_ds) else None)
         self.train_state = TrainState()
         self.rng_state = RNGState(mesh.rank)
-        self.ckpt = Checkpointer(run_dir / "checkpoints", rank=mesh.rank,
-                                 keep_last=cfg.checkpoint.keep_last)
+        self.faults = FaultInjector(cfg.fault.inject, mesh.rank, run_dir)
+        self.guard = NonFiniteGuard(cfg.fault.nonfinite, cfg.fault.max_nonfinite)
+        self.heartbeat = Heartbeat(worker_env().heartbeat_dir, mesh.rank)
+        self.rollbacks = 0
+        c = cfg.checkpoint
+        self.ckpt = Checkpointer(run_dir / "checkpoints", rank=mesh.rank, keep_last=c.keep_last,
+                                 mode=c.mode, group=mesh.checkpoint_group() if c.mode == "async" else None,
+                                 meta={"config": cfg.to_dict(), "world_size": mesh.world_size},
+                                 writer_hook=self.faults.ckpt_writer_hook)
         self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) \
             if use_bf16 and not fsdp_mp else contextlib.nullcontext
         self.memory: dict[str, int] | None = None
@@ -212,18 +224,24 @@ class Trainer:
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:
-        latest = self.ckpt.latest()
-        if latest is None:
+        """Load the newest committed checkpoint that verifies (falling back past damaged ones)."""
+
+        def state_for(step: int, path: Path) -> dict[str, Any]:
+            check_compatible(path, self.cfg.to_dict())
+            state = self.state()
+            keys = self.ckpt.saved_keys(path)
+            if not any(k.startswith(f"rng.{self.rng_state.key}.") for k in keys):
+                # A rank that did not exist when this was saved (resume on more workers): its
+                # generators are re-seeded from (seed, rank, step), reproducibly.
+                del state["rng"]
+                seed_rank(self.cfg.run.seed + step, self.mesh.rank)
+            return state
+
+        warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.mesh.is_main else (lambda m: None)
+        loaded = self.ckpt.load_latest(state_for, warn)
+        if loaded is None:
             return False
-        step, path = latest
-        state = self.state()
-        keys = self.ckpt.saved_keys(path)
-        if not any(k.startswith(f"rng.{self.rng_state.key}.") for k in keys):
-            # A rank that did not exist when this was saved (resume on more workers): its
-            # generators are re-seeded from (seed, rank, step), reproducibly.
-            del state["rng"]
-            seed_rank(self.cfg.run.seed + step, self.mesh.rank)
-        self.ckpt.load(path, state)
+        step, path = loaded
         if self.train_state.step != step:
             raise CheckpointError(f"checkpoint {str(path)!r} says step {self.train_state.step}, "
                                   f"its name says {step}; the checkpoint is inconsistent")
@@ -262,12 +280,16 @@ class Trainer:
         """This rank holds the loss (last pipeline stage) and is the one of its tp group to report it."""
         return (self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """One micro-batch; returns its scaled loss, or None on a rank without the last stage."""
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float,
+                          fault_step: int | None = None) -> torch.Tensor | None:
+        """One micro-batch; returns its scaled loss, or None on a rank without the last stage.
+        ``fault_step``: the step whose injected faults (fault.inject "nan") apply to this loss."""
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
         loss = self.loss_fn(self.model(x), y) * scale
+        if fault_step is not None:
+            loss = self.faults.after_forward(fault_step + 1, loss)
         loss.backward()
         return loss.detach()
 
@@ -294,13 +316,22 @@ class Trainer:
                 self.tokens_per_sample = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1
             with self.strategy.micro_step(self.model, last=i == len(micro) - 1):
                 with self.autocast():
-                    loss = self._forward_backward(x, y, 1.0 / len(micro))
+                    loss = self._forward_backward(x, y, 1.0 / len(micro), step if i == 0 else None)
             if loss is not None:
                 loss_sum += loss
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads()
         gnorm = self._clip()
-        self.optimizer.step()
+        # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
+        # Every rank decides alike (one all_reduce), whatever the sync strategy did to the grads.
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0],
+                           device=self.mesh.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.last_action = self.guard.check(not bool(bad.item()), step + 1)
+        if self.last_action == "ok":
+            self.optimizer.step()
+        # Skipped or not, the batch is consumed and the schedule advances: later steps see the
+        # same data and learning rate as in a run without the bad step.
         if self.memory is None:  # the first moment gradients and optimizer state both exist
             self.memory = state_bytes(self.raw_model if len(self.parts) == 1
                                       else nn.ModuleList(self.parts), self.optimizer)
@@ -338,10 +369,19 @@ class Trainer:
             metrics.log({"step": ts.step, "eval_loss": ev, **({"resumed": True} if resumed else {})})
         result: dict[str, Any] = {}
         logged_memory = False
+        self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
+                self.faults.before_step(ts.step + 1)
+                self.heartbeat.beat(ts.step + 1)  # "working on step ts.step + 1": see supervise.py
                 t0 = time.perf_counter()
                 loss_sum, gnorm = self.train_step(ts.step)
+                if self.last_action == "rollback" and self._rollback(metrics):
+                    continue
+                if self.last_action != "ok":
+                    ts.nonfinite_skips += 1
+                    metrics.message(f"allhands: warning: non-finite loss or gradient at step "
+                                    f"{ts.step + 1}; update skipped ({ts.nonfinite_skips} so far)")
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
@@ -362,9 +402,43 @@ class Trainer:
                 interval = cfg.checkpoint.interval
                 if (interval and ts.step % interval == 0) or (last and cfg.checkpoint.at_end):
                     self.save()
+                self.ckpt.poll()
+                self._report_checkpoint_warnings(metrics)
+            failures = self.ckpt.failures
+            self.ckpt.wait()
+            self._report_checkpoint_warnings(metrics)
+            if cfg.checkpoint.at_end and self.ckpt.failures > failures:
+                raise CheckpointError(f"the final checkpoint (step {ts.step}) was not saved; the "
+                                      f"last committed one is intact; free space or fix permissions "
+                                      f"of {str(self.ckpt.dir)!r} and resume")
+            self.heartbeat.beat(ts.step, done=True)
+        except BaseException:
+            self.ckpt.drain()  # a failure shortly after a save: let that save commit first
+            raise
         finally:
+            self.ckpt.close()
             metrics.close(summary=ts.step >= r.steps)
         return result
+
+    def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
+        for w in self.ckpt.warnings:
+            metrics.message(f"allhands: warning: {w}")
+        self.ckpt.warnings.clear()
+
+    def _rollback(self, metrics: MetricsWriter) -> bool:
+        """Reload the last committed checkpoint after a non-finite step; False if there is none
+        (the step is then skipped)."""
+        self.ckpt.wait()
+        ts = self.train_state
+        skips, bad_step = ts.nonfinite_skips + 1, ts.step + 1
+        if self.ckpt.latest() is None:
+            return False
+        self.maybe_resume()
+        ts.nonfinite_skips = skips
+        self.rollbacks += 1
+        metrics.message(f"allhands: warning: non-finite loss or gradient at step {bad_step}; rolled "
+                        f"back to step {ts.step} (rollback {self.rollbacks})")
+        return True
 
     def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
                   dt: float) -> dict[str, Any]:
@@ -387,6 +461,8 @@ class Trainer:
             "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
             "peak_mem_bytes_rank": [int(g[2]) for g in gathered], "peak_mem_kind": peak_kind,
+            "nonfinite_skips": self.train_state.nonfinite_skips,
+            "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks,
         }
         metrics.log(record)
         return record

@@ -1,0 +1,137 @@
+"""Training stall per checkpoint, asynchronous vs synchronous, and the steady overhead of
+checkpointing every N steps.
+
+Two gloo ranks train the reference GPT with DDP + AdamW (the allhands state: model, optimizer,
+step, RNG) and save through allhands' Checkpointer. Each round runs three series of
+``--blocks`` x ``--interval`` steps in the same processes: no save (baseline), an async save after
+each block (the series ends when its last write is committed), and the same with sync saves, so
+machine noise hits all three alike. One save per mode before the rounds prepares the
+directories and the host buffers. Figures:
+
+- stall: wall time the training thread spends inside ``Checkpointer.save`` (sync: the whole DCP
+  write, manifest, fsync and rename; async: the copy to host memory, plus any wait for the
+  previous save, which the one-in-flight rule imposes). Target: sync / async >= 10.
+- overhead: (series time with async saves - baseline series time) / baseline series time: a save
+  every ``--interval`` steps. Target <= 2%.
+
+    python bench/checkpoint.py [--rounds 3] [--interval 40] [--blocks 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.seq_len=64"]
+
+
+def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) -> None:
+    import json
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState
+    from allhands.config import Config
+    from allhands.data import load_token_splits
+    from allhands.launch import worker_env
+    from allhands.mesh import Mesh
+    from allhands.trainer import build_reference_model
+
+    cfg = Config.from_dict(cfg_dict)
+    env = worker_env()
+    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
+                      backend="gloo", dp_replicate=-1, timeout_s=300)
+    torch.set_num_threads(1)
+    train_ds, _, _ = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    torch.manual_seed(0)
+    raw = build_reference_model(cfg, 257)
+    model = DDP(raw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ts = TrainState()
+    state = {"model": ModelOptimState(model, opt), "train": ts, "rng": RNGState(mesh.rank)}
+    per_rank = cfg.run.global_batch // mesh.world_size
+    g = torch.Generator().manual_seed(mesh.rank)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            idx = torch.randint(len(train_ds), (per_rank,), generator=g).tolist()
+            x = torch.stack([train_ds[i][0] for i in idx])
+            y = torch.stack([train_ds[i][1] for i in idx])
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ts.step += 1
+
+    ckpts = {m: Checkpointer(Path(out) / m, rank=mesh.rank, keep_last=1, mode=m,
+                             group=mesh.checkpoint_group() if m == "async" else None)
+             for m in ("sync", "async")}
+    steps(3)  # warm-up: optimizer state exists, so every save has the same size
+    for c in ckpts.values():  # each Checkpointer's first save also prepares the directory
+        c.save(ts.step, state)
+        c.wait()
+    res: dict[str, list[float]] = {"base": [], "sync": [], "async": [], "stall_sync": [], "stall_async": []}
+    for _ in range(rounds):
+        for mode in ("base", "async", "sync"):
+            t0 = time.perf_counter()
+            for _ in range(blocks):
+                steps(interval)
+                if mode != "base":
+                    s0 = time.perf_counter()
+                    ckpts[mode].save(ts.step, state)
+                    res[f"stall_{mode}"].append(time.perf_counter() - s0)
+            if mode == "async":
+                ckpts[mode].wait()  # the last write belongs to this series, not the next one
+            res[mode].append(time.perf_counter() - t0)
+    for c in ckpts.values():
+        c.close()
+        assert c.failures == 0, c.warnings
+    if mesh.rank == 0:
+        size = sum(p.stat().st_size for p in next(iter((Path(out) / "async").glob("step-*"))).rglob("*"))
+        res["bytes"] = [float(size)]
+        Path(out, "result.json").write_text(json.dumps(res))
+    mesh.destroy()
+
+
+def main() -> None:
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interval", type=int, default=40)
+    ap.add_argument("--blocks", type=int, default=2)
+    args = ap.parse_args()
+
+    from allhands.config import load_config
+    from allhands.launch import LaunchSpec, launch, resolve_run
+
+    out = tempfile.mkdtemp(prefix="allhands-bench-ckpt-")
+    cfg = load_config(overrides=[*MODEL, "run.global_batch=16", f"run.dir={out}/resolve",
+                                 "log.progress=false", "log.tensorboard=false"])
+    cfg = resolve_run(cfg, resume=None, world_size=2)
+    launch(worker, (cfg.to_dict(), args.rounds, args.interval, args.blocks, out), LaunchSpec(nproc=2))
+    r = json.loads(Path(out, "result.json").read_text())
+    med = {k: statistics.median(v) for k, v in r.items()}
+    print(f"rounds={args.rounds} interval={args.interval} steps ranks=2 model={' '.join(MODEL)} "
+          f"global_batch=16 checkpoint={r['bytes'][0] / 2**20:.1f} MiB on disk")
+    print("stall per save (s): sync " + " ".join(f"{v:.3f}" for v in r["stall_sync"]))
+    print("stall per save (s): async " + " ".join(f"{v:.4f}" for v in r["stall_async"]))
+    print(f"series of {args.blocks} x ({args.interval} steps + save) (s): base "
+          + " ".join(f"{v:.2f}" for v in r["base"]) + " | async " + " ".join(f"{v:.2f}" for v in r["async"])
+          + " | sync " + " ".join(f"{v:.2f}" for v in r["sync"]))
+    print(f"stall ratio sync/async = {med['stall_sync'] / med['stall_async']:.1f}x (target >= 10)")
+    print(f"step time {med['base'] / args.interval / args.blocks:.3f} s; overhead of a save every {args.interval} steps: "
+          f"async {100 * (med['async'] - med['base']) / med['base']:+.1f}% (target <= 2%), "
+          f"sync {100 * (med['sync'] - med['base']) / med['base']:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Deterministic fault injection and the policy for non-finite numbers.
+
+A fault is ``RANK:STEP:KIND`` (config ``fault.inject``, comma separated): worker ``RANK`` fails
+while computing update ``STEP`` (1-based, the step number metrics.jsonl shows), as torchft's
+``fail_at(rank, step)`` does. Each fault fires once per run directory: a marker file
+``faults/RANK-STEP-KIND`` is written (with the wall time, for drills) before it fires, so the
+restarted job, which recomputes the steps since the last checkpoint, passes the same step
+unharmed. The same spec on a fresh run directory replays the same failure.
+
+Kinds:
+- a signal name (``SIGKILL``, ``SIGTERM``, ``SIGSEGV``, ...): the worker sends it to itself after
+  the forward pass, before backward ("mid-step");
+- ``exception`` / ``oom``: raise ``RuntimeError`` / ``torch.OutOfMemoryError`` after forward;
+- ``hang``: sleep forever before the step starts (the hang watchdog must find it);
+- ``nan``: multiply this rank's loss by NaN (the gradients all-reduce to NaN everywhere);
+- ``ckpt``: SIGKILL inside the storage writer of the first checkpoint saved at or after STEP,
+  after this rank's shard files are written but before the save completes, i.e. during an
+  (asynchronous) checkpoint write.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from allhands.errors import AllhandsError, ConfigError
+
+KINDS = ("exception", "oom", "hang", "nan", "ckpt")
+
+
+class NonFiniteError(AllhandsError):
+    """Loss or gradients stayed NaN/Inf (or the policy is ``stop``)."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an ``exception`` fault; never caught by allhands."""
+
+
+@dataclass(frozen=True, order=True)
+class Fault:
+    step: int
+    rank: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.step}:{self.kind}"
+
+    @property
+    def signal(self) -> int | None:
+        return getattr(signal, self.kind, None) if self.kind.startswith("SIG") else None
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``"1:7:SIGKILL,0:12:hang"`` -> faults sorted by step. Raises ConfigError naming the entry."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        ok = len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) >= 1
+        kind = parts[2] if ok else ""
+        if kind.upper().startswith("SIG"):
+            kind = kind.upper()
+            ok = isinstance(getattr(signal, kind, None), signal.Signals)
+        elif ok:
+            ok = kind in KINDS
+        if not ok:
+            raise ConfigError(f"fault.inject: {item!r} is not RANK:STEP:KIND with STEP >= 1 and KIND "
+                              f"a signal name (SIGKILL, SIGTERM, ...) or one of {', '.join(KINDS)}")
+        out.append(Fault(int(parts[1]), int(parts[0]), kind))
+    return sorted(out)
+
+
+def plan_faults(seed: int, n: int, *, steps: int, world_size: int, ckpt_interval: int) -> list[Fault]:
+    """``n`` seeded faults at distinct steps in ``[2, steps - 1]``, each a SIGKILL of a random
+    rank; every third one (when checkpoints are periodic) kills during a checkpoint write
+    instead, at a checkpoint step. Same arguments, same plan: a drill can be replayed."""
+    rng = random.Random(seed)
+    candidates = list(range(2, steps))
+    if n > len(candidates):
+        raise ConfigError(f"--faults: {n} faults need at least {n + 2} steps; run.steps is {steps}")
+    picked = sorted(rng.sample(candidates, n))
+    plan = []
+    ckpt_steps = [s for s in candidates if ckpt_interval and s % ckpt_interval == 0]
+    for i, step in enumerate(picked):
+        rank = rng.randrange(world_size)
+        kind = "SIGKILL"
+        if i % 3 == 1 and ckpt_steps:
+            free = [s for s in ckpt_steps if s not in {f.step for f in plan} and s not in picked[i + 1:]]
+            if free:
+                step, kind = rng.choice(free), "ckpt"
+        plan.append(Fault(step, rank, kind))
+    return sorted(plan)
+
+
+def fired_at(run_dir: Path) -> dict[str, float]:
+    """Markers of the faults that fired in a run: ``{"RANK:STEP:KIND": unix time}``."""
+    out = {}
+    for p in sorted((run_dir / "faults").glob("*")):
+        rank, step, kind = p.name.split("-", 2)
+        out[f"{rank}:{step}:{kind}"] = float(p.read_text() or 0)
+    return out
+
+
+class FaultInjector:
+    """This rank's share of a fault spec, with fire-once markers in the run directory."""
+
+    def __init__(self, spec: str, rank: int, run_dir: Path):
+        self.rank = rank
+        self.marker_dir = run_dir / "faults"
+        self.faults = [f for f in parse_faults(spec) if f.rank == rank]
+
+    def _take(self, step: int, kinds: tuple[str, ...] | None, at_or_after: bool = False) -> Fault | None:
+        for f in self.faults:
+            hit = step >= f.step if at_or_after else step == f.step
+            if hit and (kinds is None or f.kind in kinds) and (kinds is not None or f.kind not in KINDS):
+                marker = self.marker_dir / f"{f.rank}-{f.step}-{f.kind}"
+                if marker.exists():
+                    continue
+                self.marker_dir.mkdir(parents=True, exist_ok=True)
+                with open(marker, "w") as fh:
+                    fh.write(repr(time.time()))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return f
+        return None
+
+    def before_step(self, step: int) -> None:
+        if self.faults and self._take(step, ("hang",)):
+            while True:  # a hung rank: only the watchdog's SIGKILL ends this
+                time.sleep(3600)
+
+    def after_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Called once per step with the first micro-batch's loss."""
+        if not self.faults:
+            return loss
+        f = self._take(step, ("exception", "oom")) or self._take(step, None)
+        if f is not None and f.signal is not None:
+            os.kill(os.getpid(), f.signal)
+            time.sleep(60)  # a catchable signal's default action may take a moment
+        elif f is not None and f.kind == "oom":
+            raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} ({f})")
+        elif f is not None:
+            raise InjectedFault(f"injected exception at step {step} ({f})")
+        if self._take(step, ("nan",)):
+            return loss * math.nan
+        return loss
+
+    def ckpt_writer_hook(self, step: int):
+        """A callable for the storage writer to run after this rank's files are written, or None."""
+        if not self.faults or not any(f.kind == "ckpt" and step >= f.step for f in self.faults):
+            return None
+
+        def kill_now() -> None:
+            if self._take(step, ("ckpt",), at_or_after=True):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return kill_now
+
+
+class NonFiniteGuard:
+    """Decides what a step with a NaN/Inf loss or gradient norm does.
+
+    ``skip``: drop the update (the batch is consumed, the schedule advances, so the data order of
+    later steps is unchanged); ``rollback``: reload the last committed checkpoint; ``stop``: fail.
+    Any policy stops after ``max_in_row`` bad steps in a row: a run that keeps producing NaN is
+    diverged, and skipping forever would only burn compute.
+    """
+
+    def __init__(self, policy: str, max_in_row: int):
+        self.policy, self.max_in_row = policy, max_in_row
+        self.in_row = 0
+
+    def check(self, finite: bool, step: int, what: str = "loss or gradient") -> str:
+        """'ok', 'skip' or 'rollback'; raises NonFiniteError for stop or too many in a row."""
+        if finite:
+            self.in_row = 0
+            return "ok"
+        self.in_row += 1
+        if self.policy == "stop":
+            raise NonFiniteError(f"non-finite {what} at step {step} (fault.nonfinite=stop); lower "
+                                 f"optim.lr or set fault.nonfinite=skip/rollback")
+        if self.in_row >= self.max_in_row:
+            raise NonFiniteError(f"non-finite {what} in {self.in_row} steps in a row up to step {step} "
+                                 f"(fault.max_nonfinite={self.max_in_row}); the run diverged: lower "
+                                 f"optim.lr or resume from an earlier checkpoint")
+        return self.policy

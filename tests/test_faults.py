@@ -1,0 +1,264 @@
+"""Failures lose nothing: injected faults on 2-3 gloo workers, recovered or stopped as documented.
+
+Faults are deterministic (fault.inject RANK:STEP:KIND, fired once per run directory), so a failing
+test replays exactly. Every job is the tiny model for 6 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from allhands.checkpoint import committed, load_model_weights
+from allhands.errors import LaunchError
+from allhands.faults import fired_at
+from allhands.launch import LaunchSpec, train_job
+from allhands.security import verify_manifest
+from allhands.trainer import Job, build_reference_model
+
+from conftest import ALLHANDS, ROOT, TINY, tiny_config
+
+JOB = ("run.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=5", "fault.backoff_s=0.1")
+
+
+def weights(cfg, path):
+    return load_model_weights(path, build_reference_model(cfg, 257)).state_dict()
+
+
+def assert_same(a, b, exact=True):
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs"
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def restarts(run_dir):
+    path = run_dir / "logs" / "restarts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_nothing_corrupt(ckpt_dir, finished=True):
+    """Every committed checkpoint verifies. A job that died may leave the ``.tmp-`` directory
+    of the save it interrupted (resume ignores it); a finished job's next saves removed it."""
+    if finished:
+        assert not list(ckpt_dir.glob(".tmp-*")), "an uncommitted checkpoint was left behind"
+    for _, path in committed(ckpt_dir):
+        verify_manifest(path)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(token_dir, tmp_path_factory):
+    """The reference: the same 6-step job without faults. Returns (config, final weights)."""
+    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
+    cfg = train_job(tiny_config(token_dir, run_dir, *JOB), LaunchSpec(nproc=2))
+    return cfg, weights(cfg, run_dir / "checkpoints" / "step-00000006")
+
+
+def test_sigkill_mid_step_and_during_an_async_write_recover_to_the_undisturbed_parameters(
+        token_dir, tmp_path, undisturbed, capfd):
+    ref_cfg, ref = undisturbed
+    run_dir = tmp_path / "run"
+    # Rank 1 dies inside the step-4 checkpoint write (the async writer thread), then mid-step 5.
+    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=1:4:ckpt,1:5:SIGKILL",
+                      "fault.max_restarts=2")
+    train_job(cfg, LaunchSpec(nproc=2))
+    err = capfd.readouterr().err
+    events = restarts(run_dir)
+    assert [e["verdict"] for e in events] == ["restart", "restart"], err
+    # The write killed at step 4 never committed: the job went back to step 2.
+    assert events[0]["resume_from"] == "checkpoint step 2"
+    assert "worker rank 1" in events[0]["summary"] and "SIGKILL" in events[0]["summary"]
+    assert "restart 1/2 from checkpoint step 2" in err
+    assert set(fired_at(run_dir)) == {"1:4:ckpt", "1:5:SIGKILL"}
+    assert_nothing_corrupt(run_dir / "checkpoints")
+    assert_same(weights(ref_cfg, run_dir / "checkpoints" / "step-00000006"), ref)
+
+
+def test_restart_limit_exceeded_stops_cleanly_with_one_line(token_dir, tmp_path, cli_env):
+    run_dir = tmp_path / "run"
+    sets = [f"--set={s}" for s in (*TINY, *JOB, f"data.path={token_dir}", f"run.dir={run_dir}",
+                                   "fault.inject=1:2:SIGKILL,0:4:SIGKILL")]
+    r = subprocess.run([*ALLHANDS, "train", "--nproc", "2", "--max-restarts", "1", *sets],
+                       capture_output=True, text=True, env=cli_env, timeout=240, cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("allhands: error: worker rank 0"), r.stderr
+    assert "killed by SIGKILL" in last and "gave up after 1 restart(s)" in last
+    assert "Traceback" not in r.stderr
+    assert [e["verdict"] for e in restarts(run_dir)] == ["restart", "give_up"]
+    assert_nothing_corrupt(run_dir / "checkpoints", finished=False)
+
+
+def test_a_hung_rank_is_named_within_the_timeout(token_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=1:3:hang", "fault.hang_timeout_s=3")
+    with pytest.raises(LaunchError, match=r"worker rank 1 \(pid \d+\) on node \S+ hung: no progress "
+                                          r"for [\d.]+ s .*hang_timeout_s=3\)"):
+        train_job(cfg, LaunchSpec(nproc=2))
+    (event,) = restarts(run_dir)
+    hung_since = fired_at(run_dir)["1:3:hang"]
+    assert event["hang"] and event["failed_at"] - hung_since < 3 + 4  # timeout + poll and teardown
+    assert "worker rank 0" not in event["summary"].split("; ")[0]
+
+
+def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(token_dir, tmp_path, undisturbed, capfd):
+    ref_cfg, ref = undisturbed
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(token_dir, run_dir, *JOB, "run.steps=4")
+    train_job(cfg, LaunchSpec(nproc=2))
+    shard = run_dir / "checkpoints" / "step-00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x55
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    train_job(tiny_config(token_dir, run_dir, *JOB), LaunchSpec(nproc=2), resume=str(run_dir))
+    err = capfd.readouterr().err
+    warn = [line for line in err.splitlines() if "falling back" in line]
+    assert len(warn) == 1 and "__0_0.distcp" in warn[0] and "SHA-256" in warn[0], err
+    assert "resumed from step 2" in err
+    assert_same(weights(ref_cfg, run_dir / "checkpoints" / "step-00000006"), ref)
+
+
+def test_nan_rollback_reaches_the_undisturbed_parameters(token_dir, tmp_path, undisturbed, capfd):
+    ref_cfg, ref = undisturbed
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=1:4:nan", "fault.nonfinite=rollback")
+    train_job(cfg, LaunchSpec(nproc=2))
+    assert "rolled back to step 2" in capfd.readouterr().err
+    last = [m for m in metrics(run_dir) if "loss" in m][-1]
+    assert last["rollbacks"] == 1 and last["nonfinite_skips"] == 1
+    assert_same(weights(ref_cfg, run_dir / "checkpoints" / "step-00000006"), ref)
+
+
+def test_nan_skip_counts_and_stops_after_n_in_a_row(token_dir, tmp_path):
+    run_dir = tmp_path / "skip"
+    train_job(tiny_config(token_dir, run_dir, *JOB, "fault.inject=0:3:nan"), LaunchSpec(nproc=2))
+    rows = [m for m in metrics(run_dir) if "loss" in m]
+    assert [m["nonfinite_skips"] for m in rows] == [0, 0, 1, 1, 1, 1]
+    final = load_model_weights(run_dir / "checkpoints" / "step-00000006",
+                               build_reference_model(tiny_config(token_dir, run_dir, *JOB), 257))
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+
+    run_dir = tmp_path / "stop"
+    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=0:3:nan,1:4:nan", "fault.max_nonfinite=2",
+                      "fault.max_restarts=2")
+    with pytest.raises(LaunchError, match=r"NonFiniteError: non-finite loss or gradient in 2 steps in a "
+                                          r"row up to step 4 \(fault.max_nonfinite=2\)"):
+        train_job(cfg, LaunchSpec(nproc=2))
+    assert [e["verdict"] for e in restarts(run_dir)] == ["fatal"]  # a diverged run is not restarted
+    assert [s for s, _ in committed(run_dir / "checkpoints")] == [2]
+
+
+def _make_unwritable(path: Path) -> bool:
+    """chmod for ordinary users; root ignores modes, so chattr +i (immutable) there."""
+    path.chmod(0o555)
+    probe = path / ".probe"
+    try:
+        probe.touch()
+    except OSError:
+        return True
+    probe.unlink()
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+
+
+def test_unwritable_checkpoint_directory_keeps_training_and_the_previous_checkpoint(
+        token_dir, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    train_job(tiny_config(token_dir, run_dir, *JOB, "run.steps=2"), LaunchSpec(nproc=2))
+    ckpts = run_dir / "checkpoints"
+    before = (ckpts / "step-00000002" / "__0_0.distcp").read_bytes()
+    if not _make_unwritable(ckpts):
+        pytest.skip("cannot make a directory unwritable here")
+    try:
+        with pytest.raises(LaunchError, match=r"CheckpointError: the final checkpoint \(step 6\) was not "
+                                              r"saved; the last committed one is intact"):
+            train_job(tiny_config(token_dir, run_dir, *JOB), LaunchSpec(nproc=2), resume=str(run_dir))
+    finally:
+        subprocess.run(["chattr", "-i", str(ckpts)], capture_output=True)
+        ckpts.chmod(0o755)
+    err = capfd.readouterr().err
+    warns = [line for line in err.splitlines() if "was not saved" in line and "warning" in line]
+    assert len(warns) == 2, err  # steps 4 and 6 each named once, and training went on
+    assert "Permission denied" in warns[0] or "Operation not permitted" in warns[0], warns[0]
+    rows = [m for m in metrics(run_dir) if "loss" in m]
+    assert rows[-1]["step"] == 6 and rows[-1]["checkpoint_failures"] >= 1
+    assert [s for s, _ in committed(ckpts)] == [2]
+    verify_manifest(ckpts / "step-00000002")
+    assert (ckpts / "step-00000002" / "__0_0.distcp").read_bytes() == before
+
+
+def _recording_data(cfg):
+    """The token dataset, logging every index this rank reads to RUN_DIR/seen/rank-R."""
+    from allhands.data import load_token_splits
+
+    train, _, _ = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    return _Recorder(train, Path(cfg.run.dir) / "seen" / f"rank-{os.environ['RANK']}")
+
+
+class _Recorder(torch.utils.data.Dataset):
+    def __init__(self, inner, path: Path):
+        self.inner, self.path = inner, path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        with open(self.path, "a") as f:
+            f.write(f"{i}\n")
+        return self.inner[i]
+
+
+def _steps_seen(run_dir: Path, world: int, per_step: int) -> list[list[int]]:
+    """Global batch of each step, rebuilt from the ranks' logs (rank r holds the r-th slice)."""
+    logs = [[int(x) for x in (run_dir / "seen" / f"rank-{r}").read_text().split()] for r in range(world)]
+    local = per_step // world
+    steps = len(logs[0]) // local
+    return [sum((log[s * local:(s + 1) * local] for log in logs), []) for s in range(steps)]
+
+
+def test_resume_at_2_to_1_and_2_to_3_sees_the_same_data_and_parameters(token_dir, tmp_path):
+    job = Job(data=_recording_data)
+    full = tmp_path / "full"
+    cfg = tiny_config(token_dir, full, *JOB, "checkpoint.interval=3", "data.eval_batches=0",
+                      "model.vocab_size=257")
+    train_job(cfg, LaunchSpec(nproc=2), job=job)
+    batch = cfg.run.global_batch
+    reference = _steps_seen(full, 2, batch)
+    assert len(reference) == 6
+    a = weights(cfg, full / "checkpoints" / "step-00000006")
+    for world in (1, 3):
+        cut = tmp_path / f"cut{world}"
+        shutil.copytree(full, cut)
+        shutil.rmtree(cut / "checkpoints" / "step-00000006")
+        shutil.rmtree(cut / "seen")
+        train_job(cfg, LaunchSpec(nproc=world), job=job, resume=str(cut))
+        assert _steps_seen(cut, world, batch) == reference[3:6], f"2 -> {world}: other data"
+        assert_same(a, weights(cfg, cut / "checkpoints" / "step-00000006"), exact=False)
+
+
+def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path, cli_env):
+    sets = [f"--set={s}" for s in (*TINY, "run.steps=5", "checkpoint.interval=2", "fault.backoff_s=0.1",
+                                   f"data.path={token_dir}", f"run.dir={tmp_path / 'drill'}")]
+    r = subprocess.run([*ALLHANDS, "drill", "--nproc", "2", "--faults", "1", "--seed", "4", *sets],
+                       capture_output=True, text=True, env=cli_env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    spec = out[0].split("fault.inject=")[1]
+    assert out[1].split() == ["fault", "(rank:step:kind)", "detect", "s", "recover", "s", "resumed", "at",
+                              "recomputed"]
+    fault, detect, recover, resumed, recomputed = out[2].split()
+    assert fault == spec and float(detect) < float(recover) and int(resumed) in (0, 2, 4)
+    assert int(recomputed) >= 0
+    assert "final parameters EQUAL to the undisturbed run's" in out[3]

@@ -1,0 +1,243 @@
+"""Coordination logic without worker processes: fault specs and plans, restart policy and the
+supervise loop, hang detection, the non-finite policy, checkpoint commit/fallback and the config
+check on resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from allhands.checkpoint import FORMAT_VERSION, META_NAME, Checkpointer, check_compatible, committed
+from allhands.config import Config
+from allhands.errors import CheckpointError, ConfigError, LaunchError
+from allhands.faults import Fault, NonFiniteError, NonFiniteGuard, parse_faults, plan_faults
+from allhands.supervise import (Heartbeat, RestartPolicy, Watchdog, WorkerFailure, find_hang,
+                                read_heartbeats, supervise)
+
+
+def test_fault_specs_parse_and_refuse_with_the_field_path():
+    assert parse_faults(" 1:7:sigkill, 0:3:nan ,2:3:ckpt") == [Fault(3, 0, "nan"), Fault(3, 2, "ckpt"),
+                                                               Fault(7, 1, "SIGKILL")]
+    assert parse_faults("") == []
+    for bad in ("1:7", "a:1:SIGKILL", "1:0:nan", "1:2:SIGNOPE", "1:2:explode"):
+        with pytest.raises(ConfigError, match=r"^fault.inject: "):
+            parse_faults(bad)
+
+
+def test_fault_plans_are_seeded_distinct_and_hit_checkpoint_writes():
+    plan = plan_faults(7, 5, steps=40, world_size=3, ckpt_interval=5)
+    assert plan == plan_faults(7, 5, steps=40, world_size=3, ckpt_interval=5)
+    assert plan != plan_faults(8, 5, steps=40, world_size=3, ckpt_interval=5)
+    assert len({f.step for f in plan}) == 5 and all(2 <= f.step < 40 and 0 <= f.rank < 3 for f in plan)
+    ckpt = [f for f in plan if f.kind == "ckpt"]
+    assert ckpt and all(f.step % 5 == 0 for f in ckpt)
+    assert parse_faults(",".join(map(str, plan))) == plan  # a plan is a replayable spec
+    with pytest.raises(ConfigError, match="--faults"):
+        plan_faults(0, 9, steps=8, world_size=2, ckpt_interval=2)
+
+
+def test_restart_policy_backs_off_and_classifies_causes():
+    p = RestartPolicy(max_restarts=2, backoff_s=1.5, max_backoff_s=5)
+    assert [p.delay(k) for k in (1, 2, 3, 4)] == [1.5, 3.0, 5, 5]
+    killed = "worker rank 1 (pid 9) on node a failed: killed by SIGKILL"
+    assert p.decide(killed, 0, 0, True) == "restart"
+    assert p.decide(killed, 2, 0, True) == "give_up"
+    assert p.decide("worker rank 0 failed: NonFiniteError: non-finite", 0, 0, True) == "fatal"
+    assert p.decide("worker rank 0 failed: ConfigError: model.n_embd: differs", 0, 0, False) == "fatal"
+    flake = "worker rank 1 failed: RuntimeError: [gloo] connectFullMesh failed: Connection refused"
+    assert p.decide(flake, 2, 0, False) == "flake"  # not counted, even with no restarts left
+    assert p.decide(flake, 2, 2, False) == "give_up"  # but not forever
+    assert p.decide(flake, 0, 0, True) == "restart"  # after progress it is a real failure
+
+
+def test_supervise_restarts_with_backoff_then_gives_up_with_one_line(tmp_path, capsys):
+    calls = []
+
+    def attempt(n, hb_dir):
+        calls.append((n, time.monotonic()))
+        raise WorkerFailure(f"worker rank {n % 2} (pid {100 + n}) on node x failed: killed by SIGKILL")
+
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.2)
+    with pytest.raises(LaunchError) as info:
+        supervise(attempt, policy, run_dir=tmp_path)
+    msg = str(info.value)
+    assert msg.startswith("worker rank 0 (pid 102)") and "gave up after 2 restart(s)" in msg
+    assert "\n" not in msg
+    assert [n for n, _ in calls] == [0, 1, 2]
+    gaps = [b - a for (_, a), (_, b) in zip(calls, calls[1:])]
+    assert gaps[0] >= 0.2 and gaps[1] >= 0.4  # exponential backoff
+    events = [json.loads(line) for line in (tmp_path / "logs" / "restarts.jsonl").read_text().splitlines()]
+    assert [e["verdict"] for e in events] == ["restart", "restart", "give_up"]
+    err = capsys.readouterr().err
+    assert "restart 1/2 from the start (no committed checkpoint yet) in 0.2 s" in err
+
+    calls.clear()
+
+    def progressing(n, hb_dir):  # completes steps before failing: no crash loop, no doubling
+        calls.append((n, time.monotonic()))
+        hb = Heartbeat(str(hb_dir), 0)
+        for step in (4, 5, 6):
+            hb.beat(step)
+        raise WorkerFailure("worker rank 0 (pid 1) on node x failed: killed by SIGKILL")
+
+    with pytest.raises(LaunchError, match="gave up after 2 restart"):
+        supervise(progressing, policy, run_dir=None)
+    gaps = [b - a for (_, a), (_, b) in zip(calls, calls[1:])]
+    assert all(0.2 <= g < 0.39 for g in gaps), gaps
+
+    ok = []
+    supervise(lambda n, hb: ok.append(n) if n else (_ for _ in ()).throw(WorkerFailure("x killed")),
+              RestartPolicy(max_restarts=1, backoff_s=0), run_dir=None)
+    assert ok == [1]
+
+    def fatal(n, hb):
+        calls.append(n)
+        raise WorkerFailure("worker rank 0 (pid 1) on node x failed: CheckpointError: bad file")
+
+    calls.clear()
+    with pytest.raises(LaunchError, match="^worker rank 0 .*CheckpointError: bad file$"):
+        supervise(fatal, RestartPolicy(max_restarts=3, backoff_s=0), run_dir=None)
+    assert calls == [0]
+
+
+def test_find_hang_blames_the_rank_that_stopped_first():
+    now = 1000.0
+    alive = lambda pid: pid != 13  # noqa: E731
+    beats = {0: (10, 5, now - 9.0, "a", False),   # got to step 5, blocked waiting for rank 1
+             1: (11, 4, now - 9.5, "a", False),   # never started step 5: the hung one
+             2: (12, 5, now - 1.0, "b", False),
+             3: (13, 2, now - 99, "b", False),    # dead: the agent's business, not a hang
+             4: (14, 1, now - 99, "b", True)}     # finished
+    (h,) = find_hang(beats, now, 8.0, alive)
+    assert (h.rank, h.pid, h.step, h.host) == (1, 11, 4, "a") and h.stale_s == pytest.approx(9.5)
+    assert "worker rank 1 (pid 11) on node a hung: no progress for 9.5 s" in h.describe(8)
+    assert find_hang(beats, now, 10.0, alive) == []
+
+
+def test_watchdog_kills_a_stalled_process_and_records_it(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        for rank, (p, step) in enumerate(zip(procs, (3, 4))):
+            (tmp_path / f"rank-{rank}").write_text(f"{p.pid} {step} {time.time()!r} host 0 1\n")
+        t0 = time.monotonic()
+        with Watchdog(tmp_path, 0.5) as dog:
+            assert procs[0].wait(timeout=10) == -9
+            took = time.monotonic() - t0
+        assert procs[1].poll() is None and 0.5 <= took < 5
+        assert [h.rank for h in dog.hangs] == [0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_heartbeat_round_trips(tmp_path):
+    hb = Heartbeat(str(tmp_path), 3)
+    hb.beat(7)
+    hb.beat(8)
+    (pid, step, t, host, done, first), = read_heartbeats(tmp_path).values()
+    assert (step, first) == (8, 7) and not done and abs(t - time.time()) < 5
+    hb.beat(9, done=True)
+    assert read_heartbeats(tmp_path)[3][4]
+    Heartbeat("", 0).beat(1)  # outside a supervised job: nothing to do
+
+
+def test_nonfinite_guard_policies():
+    g = NonFiniteGuard("skip", 3)
+    assert [g.check(f, s) for s, f in enumerate([True, False, False, True, False], 1)] == \
+        ["ok", "skip", "skip", "ok", "skip"]
+    with pytest.raises(NonFiniteError, match="in 3 steps in a row up to step 7"):
+        g.check(False, 6), g.check(False, 7)
+    assert NonFiniteGuard("rollback", 2).check(False, 1) == "rollback"
+    with pytest.raises(NonFiniteError, match=r"at step 4 \(fault.nonfinite=stop\)"):
+        NonFiniteGuard("stop", 5).check(False, 4)
+
+
+def _state(v: float):
+    return {"w": torch.full((4, 3), v), "n": torch.tensor(int(v))}
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_checkpointer_commits_keeps_last_and_falls_back(tmp_path, mode):
+    ck = Checkpointer(tmp_path, rank=0, keep_last=2, mode=mode, meta={"config": {"a": {"b": 1}}})
+    for step in (1, 2, 3):
+        src = _state(step)
+        ck.save(step, src)
+        src["w"].add_(100)  # training goes on while the write runs: the copy is already staged
+    ck.wait()
+    ck.close()
+    assert [s for s, _ in committed(tmp_path)] == [2, 3] and ck.failures == 0
+    meta = json.loads((tmp_path / "step-00000003" / META_NAME).read_text())
+    assert meta["format"] == FORMAT_VERSION and meta["step"] == 3 and meta["config"] == {"a": {"b": 1}}
+
+    shard = next((tmp_path / "step-00000003").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-5])  # truncated
+    warnings = []
+    out = _state(0)
+    step, _ = ck.load_latest(lambda s, p: out, warnings.append)
+    assert step == 2 and torch.equal(out["w"], torch.full((4, 3), 2.0))
+    assert len(warnings) == 1 and "has" in warnings[0] and "bytes" in warnings[0] and "falling back" in warnings[0]
+
+
+def test_a_failed_save_is_counted_and_leaves_nothing(tmp_path):
+    target = tmp_path / "ckpt"
+    target.write_text("not a directory")  # mkdir fails on every rank alike, for root too
+    ck = Checkpointer(target, rank=0, mode="async")
+    ck.save(1, _state(1))
+    ck.wait()
+    assert ck.failures == 1 and "checkpoint step 1 was not saved" in ck.warnings[0]
+    assert target.read_text() == "not a directory"
+
+
+def test_resume_config_check_names_every_incompatible_field(tmp_path):
+    saved = Config()
+    (tmp_path / META_NAME).write_text(json.dumps({"format": FORMAT_VERSION, "config": saved.to_dict()}))
+    now = Config()
+    now.optim.lr, now.run.steps = 1.0, 5  # allowed to change
+    check_compatible(tmp_path, now.to_dict())
+    now.model.n_embd, now.run.global_batch = 256, 64
+    with pytest.raises(ConfigError, match=r"^model.n_embd: the config differs from checkpoint .* in "
+                                          r"model.n_embd \(saved 128, now 256\), run.global_batch "
+                                          r"\(saved 32, now 64\);"):
+        check_compatible(tmp_path, now.to_dict())
+    (tmp_path / META_NAME).write_text(json.dumps({"format": FORMAT_VERSION + 1}))
+    with pytest.raises(CheckpointError, match="format"):
+        check_compatible(tmp_path, now.to_dict())
+
+
+def test_elastic_nnodes_range_must_keep_the_global_batch_divisible(tmp_path, token_dir):
+    from allhands.launch import LaunchSpec, train_job
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(token_dir, tmp_path / "run", "run.global_batch=16")
+    spec = LaunchSpec(nproc=2, nnodes=4, min_nodes=2, rdzv_endpoint="127.0.0.1:29999")
+    with pytest.raises(ConfigError, match=r"^run.global_batch: 16 is not allowed; must be divisible by "
+                                          r"workers x micro_batches = 6 x 1 = 6 \(--nnodes 2:4 may shrink "
+                                          r"the job to 3 node\(s\) x 2 workers\)$"):
+        train_job(cfg, spec)
+    with pytest.raises(ConfigError, match="--nnodes"):
+        LaunchSpec(nproc=2, nnodes=2, min_nodes=3, rdzv_endpoint="h:1").validated()
+
+
+def test_injected_faults_fire_once_per_run_directory(tmp_path):
+    from allhands.faults import FaultInjector, InjectedFault, fired_at
+
+    inj = FaultInjector("0:2:exception,0:3:oom,0:4:nan,1:2:exception", 0, tmp_path)
+    loss = torch.tensor(1.0)
+    assert inj.after_forward(1, loss) is loss
+    with pytest.raises(InjectedFault, match="step 2"):
+        inj.after_forward(2, loss)
+    with pytest.raises(torch.OutOfMemoryError):
+        inj.after_forward(3, loss)
+    assert torch.isnan(inj.after_forward(4, loss))
+    again = FaultInjector("0:2:exception,0:3:oom,0:4:nan", 0, tmp_path)  # the restarted worker
+    assert all(again.after_forward(s, loss) is loss for s in (2, 3, 4))
+    assert set(fired_at(tmp_path)) == {"0:2:exception", "0:3:oom", "0:4:nan"}
+    assert FaultInjector("1:5:ckpt", 1, tmp_path).ckpt_writer_hook(4) is None
+    assert FaultInjector("1:5:ckpt", 1, tmp_path).ckpt_writer_hook(6) is not None
