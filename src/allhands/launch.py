@@ -46,6 +46,11 @@ def worker_env() -> WorkerEnv:
                      launched)
 
 
+def gloo_interface() -> str | None:
+    """The interface gloo was pointed at (``_environment_fixes``), for its traffic counters."""
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
 def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     """Train in this process as one worker of the job the environment describes."""
     from allhands.mesh import Mesh

@@ -26,7 +26,8 @@ from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
 from allhands.mesh import Mesh
-from allhands.metrics import MetricsWriter
+from allhands.launch import gloo_interface
+from allhands.metrics import MetricsWriter, iface_tx_bytes
 from allhands.models import GPT, GPTConfig
 from allhands.sync import build_sync
 
@@ -69,7 +70,8 @@ def build_data(cfg: Config, job: Job):
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (GPT-2/nanoGPT convention)."""
+    """AdamW (or plain SGD, the linear case the DiLoCo H=1 test needs); weight decay on
+    matrices only (GPT-2/nanoGPT convention)."""
     o = cfg.optim
     decay, no_decay = [], []
     for p in model.parameters():
@@ -77,6 +79,8 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
@@ -111,7 +115,7 @@ class Trainer:
         self.raw_model = raw.to(mesh.device)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = job.loss or lm_loss
-        self.strategy = build_sync(cfg.parallel.sync, bucket_mb=cfg.parallel.bucket_mb)
+        self.strategy, self.sync_note = build_sync(cfg, mesh, self.raw_model)
         self.model = self.strategy.wrap(self.raw_model, mesh)
         self.optimizer = build_optimizer(self.raw_model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -126,6 +130,10 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(mesh.device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
         self.tokens_per_sample: int | None = None
+        # Communication accounting between two logged steps (see _log_step).
+        self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.local_rank == 0 else None
+        self.net_iface = gloo_interface() if self._tx_at_log is not None else None
+        self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -211,6 +219,7 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
+        metrics.message(f"allhands: {self.sync_note}")
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir}")
         else:
@@ -225,9 +234,11 @@ class Trainer:
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
-                if r.check_sync:
+                if r.check_sync and self.strategy.in_sync(ts.step):
                     self.check_replicas(ts.step)
                 dt = time.perf_counter() - t0
+                self._window[0] += 1
+                self._window[1] += dt
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
                     result = self._log_step(metrics, loss_sum, gnorm, dt)
@@ -245,13 +256,24 @@ class Trainer:
 
     def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
                   dt: float) -> dict[str, Any]:
-        """One small all_gather of (loss, step time) per logged step: mean loss, each rank's time."""
+        """One small all_gather per logged step: mean loss, each rank's step time, and the
+        communication each rank recorded since the last logged step (bytes from the collectives'
+        sizes, in the lab also the interface's counter; seconds in flight and exposed)."""
         mesh, r = self.mesh, self.cfg.run
-        mine = torch.tensor([float(loss_sum), dt], dtype=torch.float64)
+        payload, wire, comm_s, exposed_s = self.strategy.comm.take()
+        tx = iface_tx_bytes(self.net_iface)
+        sent = tx - self._tx_at_log if tx is not None and self._tx_at_log is not None else 0.0
+        self._tx_at_log = tx
+        steps, window_s = self._window
+        self._window = [0, 0.0]
+        mine = torch.tensor([float(loss_sum), dt, payload, wire, comm_s, exposed_s, sent, window_s],
+                            dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
         dist.all_gather(gathered, mine)
-        losses = [float(g[0]) for g in gathered]
-        times = [float(g[1]) for g in gathered]
+        g = torch.stack(gathered)  # (world, 8)
+        losses = g[:, 0].tolist()
+        times = g[:, 1].tolist()
+        per_step = max(steps, 1)
         step_time = max(times)
         samples_per_s = r.global_batch / step_time
         record = {
@@ -260,6 +282,14 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
+            # Per step, averaged over the steps since the last logged one (DiLoCo: 1/H of a round).
+            "comm_bytes": float(g[:, 2].mean()) / per_step,       # collective payload per rank
+            "comm_wire_bytes": float(g[:, 3].mean()) / per_step,  # ring lower bound per rank
+            "comm_time": float(g[:, 4].max()) / per_step,
+            "comm_exposed": float(g[:, 5].max()) / per_step,
+            "comm_exposed_frac": float((g[:, 5] / g[:, 7].clamp_min(1e-12)).max()),
         }
+        if self.net_iface is not None or float(g[:, 6].sum()) > 0:
+            record["net_tx_bytes"] = float(g[:, 6].sum()) / per_step  # all nodes' interfaces
         metrics.log(record)
         return record

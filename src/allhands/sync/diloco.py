@@ -1,0 +1,168 @@
+"""DiLoCo and local SGD: replicas train alone for H steps, then reconcile once.
+
+DiLoCo (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1): every replica group runs H inner
+steps with its own optimizer (the trainer's AdamW) on its own data; then the groups average
+their pseudo-gradient  Delta = theta_anchor - theta_local  (one all-reduce over the
+``dp_replicate`` mesh dimension) and an outer optimizer applies it to the anchor (Nesterov SGD,
+lr 0.7, momentum 0.9 in the paper). Local SGD / model averaging (Stich 2019; Lin et al. 2020)
+is the special case "anchor minus the averaged Delta", i.e. the mean of the replicas.
+
+Inner steps are local: the model is not wrapped in DDP across ``dp_replicate``; so the bytes
+per step are 1/H of synchronous data parallelism. With plain SGD inside, H=1 and an outer SGD
+with lr 1 and no momentum, one round is exactly a synchronous SGD step (tests/test_diloco.py).
+
+The outer payload can be compressed: fp16/bf16 (cast after dividing by N, all-reduce), or int8
+with one fp32 scale per chunk of 2048 values (all-gather of the int8 codes, decoded and averaged
+locally, because an int8 sum would overflow). The anchor and the outer momentum are
+checkpointed under ``sync``. Only parameters are reconciled; buffers stay per replica.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from allhands.mesh import Mesh
+from allhands.sync.base import SyncStrategy
+
+OUTER_COMPRESSORS = ("none", "fp16", "bf16", "int8")
+INT8_CHUNK = 2048
+
+
+def replicate_group(mesh: Mesh) -> dist.ProcessGroup:
+    """The one mesh lookup of this module: the outer sync spans the dp_replicate dimension
+    (with the 4-D mesh: ``mesh.group("dp_replicate")``)."""
+    return mesh.dp_group
+
+
+class DiLoCoSync(SyncStrategy):
+    name = "diloco"
+
+    def __init__(self, *, inner_steps: int, total_steps: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_nesterov: bool = True, compress: str = "none",
+                 average: bool = False):
+        super().__init__()
+        if compress not in OUTER_COMPRESSORS:
+            raise ValueError(f"unknown outer compressor {compress!r}")
+        self.h, self.total = inner_steps, total_steps
+        self.outer_lr, self.momentum, self.nesterov = outer_lr, outer_momentum, outer_nesterov
+        self.compress = compress
+        self.average = average
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.SGD | None = None
+
+    def describe(self) -> str:
+        how = ("model averaging" if self.average else
+               f"outer SGD lr {self.outer_lr} momentum {self.momentum}"
+               f"{' nesterov' if self.nesterov and self.momentum else ''}")
+        return f"{self.name}: sync every {self.h} steps ({how}; payload {self.compress})"
+
+    def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
+        self.group = replicate_group(mesh)
+        self.n = self.group.size()
+        named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+        self.names = [k for k, _ in named]
+        self.params = [p for _, p in named]
+        with torch.no_grad():
+            # Replicas must start equal (DDP would broadcast); one broadcast at start only.
+            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            for p, v in zip(self.params, flat.split([p.numel() for p in self.params])):
+                p.copy_(v.view_as(p))
+            # fp32 anchors whatever the parameter dtype: the outer update is a small difference.
+            self.anchor = [p.detach().float().clone() for p in self.params]
+        if not self.average:
+            self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=self.momentum,
+                                         nesterov=self.nesterov and self.momentum > 0)
+            if self.momentum > 0:
+                # Zero buffers now, so a resume finds tensors of the right shape to load into
+                # (SGD would otherwise create them at the first step; μ·0 + g is the same).
+                for a in self.anchor:
+                    self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
+        return model
+
+    def in_sync(self, step: int) -> bool:
+        return step % self.h == 0 or step >= self.total
+
+    def after_step(self, step: int) -> None:
+        if self.in_sync(step):
+            self.outer_step()
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        sizes = [a.numel() for a in self.anchor]
+        # Pseudo-gradient, flattened: (sum of parameter numels,) fp32.
+        delta = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(self.anchor, self.params)])
+        t0 = time.perf_counter()
+        avg = self._average(delta)
+        self.comm.blocking(time.perf_counter() - t0)
+        for a, g in zip(self.anchor, avg.split(sizes)):
+            if self.outer is None:
+                a.sub_(g.view_as(a))
+            else:
+                a.grad = g.view_as(a)
+        if self.outer is not None:
+            self.outer.step()
+            for a in self.anchor:
+                a.grad = None
+        for p, a in zip(self.params, self.anchor):
+            p.copy_(a)
+
+    def _average(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean of ``x`` (flat fp32) over the replicate group, through the chosen payload."""
+        n = self.n
+        if self.compress == "int8":
+            return self._average_int8(x)
+        dtype = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.compress]
+        buf = (x / n).to(dtype)  # divide first: a half-precision sum of N terms cannot overflow
+        self.comm.collective("all_reduce", buf.numel() * buf.element_size(), n)
+        dist.all_reduce(buf, group=self.group)
+        return buf.float()
+
+    def _average_int8(self, x: torch.Tensor) -> torch.Tensor:
+        n, numel = self.n, x.numel()
+        pad = (-numel) % INT8_CHUNK
+        chunks = torch.nn.functional.pad(x, (0, pad)).view(-1, INT8_CHUNK)  # (C, 2048)
+        scale = (chunks.abs().amax(dim=1) / 127.0).clamp_min(1e-30)          # (C,)
+        codes = torch.round(chunks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.comm.collective("all_gather", codes.numel() + scale.numel() * 4, n)
+        all_codes = [torch.empty_like(codes) for _ in range(n)]
+        all_scales = [torch.empty_like(scale) for _ in range(n)]
+        dist.all_gather(all_codes, codes, group=self.group)
+        dist.all_gather(all_scales, scale, group=self.group)
+        total = torch.zeros_like(chunks)
+        for c, s in zip(all_codes, all_scales):  # same order on every rank: identical results
+            total += c.float() * s[:, None]
+        return (total / n).reshape(-1)[:numel]
+
+    # -- checkpoint: anchors and outer momentum by parameter name (identical on every replica)
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"anchor": dict(zip(self.names, self.anchor))}
+        if self.outer is not None and self.momentum > 0:
+            state["momentum"] = {k: self.outer.state[a]["momentum_buffer"]
+                                 for k, a in zip(self.names, self.anchor)}
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, a in zip(self.names, self.anchor):
+            a.copy_(state["anchor"][k])
+        if "momentum" in state and self.outer is not None:
+            for k, a in zip(self.names, self.anchor):
+                self.outer.state[a]["momentum_buffer"].copy_(state["momentum"][k])
+
+
+class LocalSGDSync(DiLoCoSync):
+    """Model averaging every H steps: DiLoCo's round with the mean of the replicas as result."""
+
+    name = "local_sgd"
+
+    def __init__(self, *, inner_steps: int, total_steps: int, compress: str = "none"):
+        super().__init__(inner_steps=inner_steps, total_steps=total_steps, compress=compress,
+                         average=True)
