@@ -5,7 +5,8 @@ Each host is a namespace with loopback up and one interface ``eth0`` holding ``P
 the peer end of a veth pair whose other end is a port of one bridge in the root namespace. A
 bandwidth cap puts a token-bucket filter (``tc qdisc ... tbf``) on *both* ends of each veth, so a
 host's link is capped in each direction (egress of eth0 = what it sends; egress of the bridge
-port = what it receives). Delay needs ``netem``; where the kernel has no ``sch_netem`` (as on the
+port = what it receives). ``mtu`` sets the links' MTU (9000 = a jumbo-frame cluster fabric,
+where headers cost ~0.7% of the bytes instead of ~4.5% at 1500). Delay needs ``netem``; where the kernel has no ``sch_netem`` (as on the
 machine this was written on) asking for a delay raises :class:`LabUnavailable` saying so:
 tbf's ``latency`` only bounds queueing, it adds none.
 
@@ -101,7 +102,7 @@ class Lab:
 
     def __init__(self, hosts: int = 2, *, rate_mbit: float | None = None,
                  delay_ms: float | None = None, tag: str = "ahl", prefix: str = "10.55.0",
-                 burst_kb: int = 64):
+                 burst_kb: int = 64, mtu: int = 1500):
         if not 1 <= hosts <= 200:
             raise ValueError(f"hosts={hosts}: a lab has 1..200 hosts")
         # Interface names are limited to 15 characters: tag (<= 5) + 4 hex + role + index.
@@ -120,20 +121,22 @@ class Lab:
         # also runs at interpreter exit (weakref.finalize's atexit), not only on collection.
         self._finalizer = weakref.finalize(self, Lab._teardown, self.bridge, self._veths, self.hosts)
         try:
-            self._build(hosts, prefix, rate_mbit, delay_ms, burst_kb)
+            self._build(hosts, prefix, rate_mbit, delay_ms, burst_kb, mtu)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, k: int, prefix: str, rate: float | None, delay: float | None, burst_kb: int) -> None:
-        _must(["ip", "link", "add", self.bridge, "type", "bridge"], "creating the bridge")
+    def _build(self, k: int, prefix: str, rate: float | None, delay: float | None, burst_kb: int,
+               mtu: int) -> None:
+        _must(["ip", "link", "add", self.bridge, "mtu", str(mtu), "type", "bridge"], "creating the bridge")
         _must(["ip", "link", "set", self.bridge, "up"], "bringing the bridge up")
         for i in range(k):
             host = Host(name=f"{self.id}h{i}", addr=f"{prefix}.{i + 1}")
             outer, inner = f"{self.id}v{i}", f"{self.id}p{i}"
             _must(["ip", "netns", "add", host.name], "creating a namespace")
             self.hosts.append(host)
-            _must(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner], "creating a veth pair")
+            _must(["ip", "link", "add", outer, "mtu", str(mtu), "type", "veth", "peer", "name", inner,
+                   "mtu", str(mtu)], "creating a veth pair")
             self._veths.append(outer)
             _must(["ip", "link", "set", inner, "netns", host.name], "moving a veth into its namespace")
             _must(["ip", "link", "set", outer, "master", self.bridge], "attaching a veth to the bridge")
