@@ -51,13 +51,24 @@ def simulate_rounds(cfg, n: int) -> dict[str, torch.Tensor]:
     outer = torch.optim.SGD(anchor, lr=s.outer_lr, momentum=s.outer_momentum,
                             nesterov=s.outer_nesterov and s.outer_momentum > 0)
     for step in range(cfg.run.steps):
-        for r, (m, opt, sched) in enumerate(replicas):
+        for r, (m, _, _) in enumerate(replicas):
             idx = sampler.local_micro_batches(step, r, n, 1)[0]
             x, y = collate(train, idx)
             lm_loss(m(x), y).backward()
+        if step < s.sync_warmup_steps:  # synchronous: every replica steps on the mean gradient
+            for ps in zip(*(m.parameters() for m, _, _ in replicas)):
+                mean = sum(p.grad for p in ps) / n
+                for p in ps:
+                    p.grad = mean.clone()
+        for m, opt, sched in replicas:
             torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.optim.grad_clip or float("inf"))
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-        if (step + 1) % s.inner_steps == 0 or step + 1 == cfg.run.steps:
+        if step + 1 == s.sync_warmup_steps:
+            with torch.no_grad():
+                for a, p in zip(anchor, replicas[0][0].parameters()):
+                    a.copy_(p)
+        elif step + 1 > s.sync_warmup_steps and ((step + 1) % s.inner_steps == 0
+                                                 or step + 1 == cfg.run.steps):
             with torch.no_grad():
                 locals_ = [list(m.parameters()) for m, _, _ in replicas]
                 for i, a in enumerate(anchor):
@@ -75,13 +86,15 @@ def simulate_rounds(cfg, n: int) -> dict[str, torch.Tensor]:
     return dict(zip(names, (a.detach() for a in anchor)))
 
 
-@pytest.mark.parametrize("mode", ["diloco", "local_sgd"])
-def test_rounds_match_simulated_replicas(token_dir, tmp_path, mode):
-    # AdamW inside, 2 rounds of H=2 plus a short last round (steps=5); check_sync verifies that
-    # after every sync all replicas hold identical parameters (and only then: in between they
-    # differ by construction). bytes: one full payload per round, i.e. 1/H per step.
+@pytest.mark.parametrize("mode,warmup", [("diloco", 0), ("local_sgd", 0), ("diloco", 2)])
+def test_rounds_match_simulated_replicas(token_dir, tmp_path, mode, warmup):
+    # AdamW inside, rounds of H=2 plus a short last round (steps=5), after `warmup` synchronous
+    # steps; check_sync verifies that after every sync all replicas hold identical parameters
+    # (and only then: in between they differ by construction). bytes: one full payload per
+    # round, i.e. 1/H per step; one per step during the warm-up.
     cfg = tiny_config(token_dir, tmp_path / "run", f"parallel.sync={mode}", "sync.inner_steps=2",
-                      "run.steps=5", "run.check_sync=true", "log.interval=2")
+                      "run.steps=5", "run.check_sync=true", "log.interval=2",
+                      f"sync.sync_warmup_steps={warmup}")
     done = train_job(cfg, LaunchSpec(nproc=2))
     ref = simulate_rounds(done, 2)
     got = trained_params(done)
@@ -94,10 +107,10 @@ def test_rounds_match_simulated_replicas(token_dir, tmp_path, mode):
 
     size = 4 * n_params(done)  # fp32 pseudo-gradient, one all-reduce per round
     recs = {r["step"]: r for r in step_records(done.run.dir)}
-    assert recs[2]["comm_bytes"] == pytest.approx(size / 2)  # 1 round in 2 steps: 1/H
+    assert recs[2]["comm_bytes"] == pytest.approx(size if warmup else size / 2)  # 1 round / H steps
     assert recs[4]["comm_bytes"] == pytest.approx(size / 2)
     assert recs[5]["comm_bytes"] == pytest.approx(size)      # the last step always syncs
-    assert recs[2]["comm_wire_bytes"] == pytest.approx(size / 2 * 2 * (2 - 1) / 2)
+    assert recs[4]["comm_wire_bytes"] == pytest.approx(size / 2 * 2 * (2 - 1) / 2)
 
 
 def test_diloco_h1_with_sgd_inside_is_synchronous_sgd(token_dir, tmp_path):
@@ -181,3 +194,37 @@ def test_lowcomm_config_errors(token_dir, tmp_path):
     cfg = tiny_config(token_dir, tmp_path / "r", "sync.outer_compress=int4")
     with pytest.raises(ConfigError, match=r"^sync.outer_compress: 'int4' is not allowed"):
         validate(cfg)
+
+
+def test_diloco_resume_is_exact(token_dir, tmp_path):
+    # Stopped after the first round and resumed: the anchor, the outer momentum and each
+    # replica's own inner AdamW moments come back, so the second round matches bit for bit.
+    import shutil
+
+    from allhands.checkpoint import committed
+
+    full = tmp_path / "full"
+    cfg = tiny_config(token_dir, full, "parallel.sync=diloco", "sync.inner_steps=2", "run.steps=4",
+                      "checkpoint.interval=2", "checkpoint.keep_last=5")
+    done = train_job(cfg, LaunchSpec(nproc=2))
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-00000004")
+    train_job(cfg, LaunchSpec(nproc=2), resume=str(cut))
+    a = trained_params(done)
+    done.run.dir = str(cut)
+    b = trained_params(done)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    assert [s for s, _ in committed(cut / "checkpoints")] == [2, 4]
+
+
+def test_auto_rule():
+    from allhands.sync.auto import decide
+
+    # 2.5M parameters, 2 replicas: 10 MB per rank per step. At 100 Mbit/s (12.5 MB/s) that is
+    # 0.8 s > 50 ms: DiLoCo. At 100 Gbit/s, 0.8 ms: all-reduce.
+    name, line = decide(2_500_000, 2, 12.5e6, 0.05)
+    assert name == "diloco" and "800.0 ms" in line and "100 Mbit/s" in line
+    assert decide(2_500_000, 2, 12.5e9, 0.05)[0] == "allreduce"
+    assert decide(2_500_000, 1, 1.0, 0.05)[0] == "allreduce"

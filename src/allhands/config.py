@@ -96,6 +96,8 @@ class SyncConfig:
     outer_compress: str = _f("none", "diloco/local_sgd outer sync payload: none, fp16, bf16 or int8")
     auto_max_comm_s: float = _f(0.05, "auto: choose diloco when one gradient all-reduce is "
                                 "predicted to take longer than this (seconds), > 0")
+    sync_warmup_steps: int = _f(0, "diloco/local_sgd: synchronous data-parallel steps before the "
+                                "first round (post-local SGD), >= 0")
 
 
 @dataclass
@@ -324,6 +326,7 @@ def _validate_sync(cfg: Config) -> None:
     _check(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", "must be in [0, 1)", s.outer_momentum)
     _check(s.outer_compress in ("none", "fp16", "bf16", "int8"), "sync.outer_compress",
            "allowed: none, fp16, bf16, int8", s.outer_compress)
+    _check(s.sync_warmup_steps >= 0, "sync.sync_warmup_steps", "must be >= 0", s.sync_warmup_steps)
     _check(s.auto_max_comm_s > 0, "sync.auto_max_comm_s", "must be > 0", s.auto_max_comm_s)
     if p.sync in ("diloco", "local_sgd", "auto"):
         # Between outer syncs the replicas differ: a checkpoint would keep one replica's model

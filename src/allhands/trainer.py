@@ -118,6 +118,7 @@ class Trainer:
         self.strategy, self.sync_note = build_sync(cfg, mesh, self.raw_model)
         self.model = self.strategy.wrap(self.raw_model, mesh)
         self.optimizer = build_optimizer(self.raw_model, cfg)
+        self.strategy.attach_optimizer(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)
         self.val_sampler = (GlobalSampler(len(self.val_ds), r.global_batch, cfg.data.seed + 1)

@@ -27,10 +27,11 @@ def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy,
     elif name == "diloco":
         strategy = DiLoCoSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
                               outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
-                              outer_nesterov=s.outer_nesterov, compress=s.outer_compress)
+                              outer_nesterov=s.outer_nesterov, compress=s.outer_compress,
+                              warmup_steps=s.sync_warmup_steps)
     else:
         strategy = LocalSGDSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
-                                compress=s.outer_compress)
+                                compress=s.outer_compress, warmup_steps=s.sync_warmup_steps)
     return strategy, note or f"sync: {strategy.describe()}"
 
 

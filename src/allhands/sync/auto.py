@@ -36,17 +36,21 @@ def measure_bus_bandwidth(group: dist.ProcessGroup, device: torch.device, reps: 
     return ring_allreduce_bytes(PROBE_BYTES, n) / max(float(elapsed), 1e-9)
 
 
-def choose(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
-           max_comm_s: float) -> tuple[str, str]:
-    """(strategy name, the log line stating the measurement and the rule)."""
-    n = group.size()
+def decide(params: int, n: int, bus_bytes_per_s: float, max_comm_s: float) -> tuple[str, str]:
+    """The rule alone: (strategy name, the log line stating the figures and the choice)."""
     if n == 1:
         return "allreduce", "sync=auto: one replica, nothing to communicate: allreduce"
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    bw = measure_bus_bandwidth(group, device)
-    predicted = ring_allreduce_bytes(4 * params, n) / bw
+    predicted = ring_allreduce_bytes(4 * params, n) / bus_bytes_per_s
     pick = "diloco" if predicted > max_comm_s else "allreduce"
-    return pick, (f"sync=auto: measured bus bandwidth {bw * 8 / 1e6:,.0f} Mbit/s over {n} "
-                  f"replicas; a {params * 4 / 1e6:.1f} MB gradient all-reduce would take "
+    return pick, (f"sync=auto: measured bus bandwidth {bus_bytes_per_s * 8 / 1e6:,.0f} Mbit/s over "
+                  f"{n} replicas; a {params * 4 / 1e6:.1f} MB gradient all-reduce would take "
                   f"{predicted * 1e3:.1f} ms per step (limit sync.auto_max_comm_s="
                   f"{max_comm_s * 1e3:.0f} ms): {pick}")
+
+
+def choose(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
+           max_comm_s: float) -> tuple[str, str]:
+    """Measure the link (all ranks take part and agree), then apply :func:`decide`."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    bw = measure_bus_bandwidth(group, device) if group.size() > 1 else float("inf")
+    return decide(params, group.size(), bw, max_comm_s)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from allhands.mesh import Mesh
@@ -36,6 +37,9 @@ class SyncStrategy:
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         """Return the module the loop runs forward/backward on."""
         raise NotImplementedError
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once with the optimizer the loop steps (DiLoCo keeps each replica's state)."""
 
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -15,10 +15,17 @@ The outer payload can be compressed: fp16/bf16 (cast after dividing by N, all-re
 with one fp32 scale per chunk of 2048 values (all-gather of the int8 codes, decoded and averaged
 locally, because an int8 sum would overflow). The anchor and the outer momentum are
 checkpointed under ``sync``. Only parameters are reconciled; buffers stay per replica.
+
+Warm-up (``sync.sync_warmup_steps`` = W): the first W steps are synchronous data parallelism
+(each step's gradients averaged before the optimizer step), then the rounds start from the
+common model, as in post-local SGD (Lin et al. 2020, arXiv:1808.07217) and as DiLoCo itself
+starts from a synchronously pre-trained model: the first rounds from a random init move the
+replicas far apart, and the outer momentum amplifies that (an eval-loss spike in bench/lowcomm.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -44,11 +51,13 @@ class DiLoCoSync(SyncStrategy):
 
     def __init__(self, *, inner_steps: int, total_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_nesterov: bool = True, compress: str = "none",
-                 average: bool = False):
+                 average: bool = False, warmup_steps: int = 0):
         super().__init__()
         if compress not in OUTER_COMPRESSORS:
             raise ValueError(f"unknown outer compressor {compress!r}")
         self.h, self.total = inner_steps, total_steps
+        self.warmup = warmup_steps
+        self.step = 0  # completed steps, as last told by after_step (checkpointed)
         self.outer_lr, self.momentum, self.nesterov = outer_lr, outer_momentum, outer_nesterov
         self.compress = compress
         self.average = average
@@ -56,12 +65,14 @@ class DiLoCoSync(SyncStrategy):
         self.params: list[torch.Tensor] = []
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.SGD | None = None
+        self.inner: torch.optim.Optimizer | None = None
 
     def describe(self) -> str:
         how = ("model averaging" if self.average else
                f"outer SGD lr {self.outer_lr} momentum {self.momentum}"
                f"{' nesterov' if self.nesterov and self.momentum else ''}")
-        return f"{self.name}: sync every {self.h} steps ({how}; payload {self.compress})"
+        warm = f"; synchronous for the first {self.warmup} steps" if self.warmup else ""
+        return f"{self.name}: sync every {self.h} steps ({how}; payload {self.compress}{warm})"
 
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         self.group = replicate_group(mesh)
@@ -87,11 +98,38 @@ class DiLoCoSync(SyncStrategy):
                     self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         return model
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner = optimizer
+
     def in_sync(self, step: int) -> bool:
-        return step % self.h == 0 or step >= self.total
+        return step <= self.warmup or step % self.h == 0 or step >= self.total
+
+    def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        if last and self.step < self.warmup:
+            return self._average_gradients_after()
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _average_gradients_after(self):
+        yield  # the backward of the step's last micro-batch has run
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) / self.n  # (sum numel,) fp32
+        t0 = time.perf_counter()
+        self.comm.collective("all_reduce", flat.numel() * 4, self.n)
+        dist.all_reduce(flat, group=self.group)
+        self.comm.blocking(time.perf_counter() - t0)
+        for p, g in zip(self.params, flat.split([p.numel() for p in self.params])):
+            p.grad = g.view_as(p).to(p.dtype)
 
     def after_step(self, step: int) -> None:
-        if self.in_sync(step):
+        self.step = step
+        if step < self.warmup:
+            return
+        if step == self.warmup:
+            with torch.no_grad():  # replicas are identical here: the rounds start from them
+                for a, p in zip(self.anchor, self.params):
+                    a.copy_(p)
+        elif self.in_sync(step):
             self.outer_step()
 
     @torch.no_grad()
@@ -141,21 +179,49 @@ class DiLoCoSync(SyncStrategy):
             total += c.float() * s[:, None]
         return (total / n).reshape(-1)[:numel]
 
-    # -- checkpoint: anchors and outer momentum by parameter name (identical on every replica)
+    # -- checkpoint: anchors and outer momentum by parameter name (identical on every replica),
+    # and each replica's inner optimizer state under its own key: the ``model`` key's optimizer
+    # state is saved once for all replicas (DCP deduplicates it), but inner AdamW moments differ
+    # per replica, and an exact resume needs each one back.
+    def _inner_state(self) -> dict[str, torch.Tensor]:
+        if self.inner is None:
+            return {}
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(self.inner)  # AdamW creates its moments lazily; a resume needs shapes
+        out = {}
+        for k, p in zip(self.names, self.params):
+            for field, v in self.inner.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    # A copy: the ``model`` key hands DCP these very tensors too, and on load
+                    # its (one replica's) values would land in them after ours.
+                    out[f"{k}.{field}"] = v.detach().clone()
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"anchor": dict(zip(self.names, self.anchor))}
+        state: dict[str, Any] = {"anchor": dict(zip(self.names, self.anchor)),
+                                 "step": torch.tensor(self.step)}
         if self.outer is not None and self.momentum > 0:
             state["momentum"] = {k: self.outer.state[a]["momentum_buffer"]
                                  for k, a in zip(self.names, self.anchor)}
+        inner = self._inner_state()
+        if inner:
+            state["inner"] = {f"replica{dist.get_rank(self.group)}": inner}
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, a in zip(self.names, self.anchor):
             a.copy_(state["anchor"][k])
+        self.step = int(state["step"])
         if "momentum" in state and self.outer is not None:
             for k, a in zip(self.names, self.anchor):
                 self.outer.state[a]["momentum_buffer"].copy_(state["momentum"][k])
+        mine = state.get("inner", {}).get(f"replica{dist.get_rank(self.group)}", {})
+        for k, p in zip(self.names, self.params):
+            for field, v in self.inner.state.get(p, {}).items() if self.inner else ():
+                if f"{k}.{field}" in mine and isinstance(v, torch.Tensor):
+                    v.copy_(mine[f"{k}.{field}"])
 
 
 class LocalSGDSync(DiLoCoSync):
@@ -163,6 +229,7 @@ class LocalSGDSync(DiLoCoSync):
 
     name = "local_sgd"
 
-    def __init__(self, *, inner_steps: int, total_steps: int, compress: str = "none"):
+    def __init__(self, *, inner_steps: int, total_steps: int, compress: str = "none",
+                 warmup_steps: int = 0):
         super().__init__(inner_steps=inner_steps, total_steps=total_steps, compress=compress,
-                         average=True)
+                         average=True, warmup_steps=warmup_steps)
