@@ -27,7 +27,8 @@ def test_train_then_report_on_the_embedded_corpus(tmp_path, cli_env):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "loss" in row]
     assert [row["step"] for row in steps] == list(range(1, 13))
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "comm_bytes",
+                "comm_wire_bytes", "comm_time", "comm_exposed", "comm_exposed_frac"):
         assert all(isinstance(row[key], float) for row in steps), key
     assert all(len(row["step_time_rank"]) == 2 for row in steps)
     evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
@@ -39,7 +40,7 @@ def test_train_then_report_on_the_embedded_corpus(tmp_path, cli_env):
 
     rep = run(["report", str(run_dir)], cli_env)
     assert rep.returncode == 0, rep.stderr
-    for name in ("loss.png", "throughput.png", "step_time.png"):
+    for name in ("loss.png", "throughput.png", "step_time.png", "communication.png"):
         png = run_dir / "report" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 

@@ -68,6 +68,7 @@ class OptimConfig:
     beta2: float = _f(0.95, "AdamW beta2, in [0, 1)")
     eps: float = _f(1e-8, "AdamW epsilon, > 0")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 disables")
+    name: str = _f("adamw", "optimizer: adamw, or sgd (plain SGD with lr and weight_decay; no momentum)")
 
 
 @dataclass
@@ -75,7 +76,8 @@ class ParallelConfig:
     """How the job is cut across processes."""
 
     dp_replicate: int = _f(-1, "data-parallel replicas; -1 = the rest of the workers (all of them by default)")
-    sync: str = _f("allreduce", "gradient reconciliation strategy: allreduce")
+    sync: str = _f("allreduce", "how replicas reconcile: allreduce (every step), diloco, "
+                   "local_sgd (both sync every sync.inner_steps over dp_replicate) or auto (measured; see README)")
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
@@ -93,6 +95,24 @@ class ParallelConfig:
     pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
     pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
     pp_split: str = _f("", "comma-separated FQNs of the units that begin stages 1..; empty = the model's own split")
+
+
+@dataclass
+class SyncConfig:
+    """Options of the strategy chosen by parallel.sync (issue 5: communicating less)."""
+
+    compress: str = _f("none", "allreduce gradient compression: none, fp16, bf16 or powersgd")
+    powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank, >= 1")
+    powersgd_start_step: int = _f(10, "PowerSGD: plain all-reduce for this many steps first, >= 1")
+    inner_steps: int = _f(50, "diloco/local_sgd: local steps H between outer syncs, >= 1")
+    outer_lr: float = _f(0.7, "diloco: outer learning rate (DiLoCo paper: 0.7), > 0")
+    outer_momentum: float = _f(0.9, "diloco: outer SGD momentum (paper: 0.9), in [0, 1)")
+    outer_nesterov: bool = _f(True, "diloco: Nesterov outer momentum (paper: true)")
+    outer_compress: str = _f("none", "diloco/local_sgd outer sync payload: none, fp16, bf16 or int8")
+    auto_max_comm_s: float = _f(0.05, "auto: choose diloco when one gradient all-reduce is "
+                                "predicted to take longer than this (seconds), > 0")
+    sync_warmup_steps: int = _f(0, "diloco/local_sgd: synchronous data-parallel steps before the "
+                                "first round (post-local SGD), >= 0")
 
 
 @dataclass
@@ -159,6 +179,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -283,7 +304,9 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check(0.0 <= o.beta2 < 1.0, "optim.beta2", "must be in [0, 1)", o.beta2)
     _check(o.eps > 0, "optim.eps", "must be > 0", o.eps)
     _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)", o.grad_clip)
-    _check(p.sync in ("allreduce",), "parallel.sync", "allowed: allreduce", p.sync)
+    _check(o.name in ("adamw", "sgd"), "optim.name", "allowed: adamw, sgd", o.name)
+    _check(p.sync in SYNC_MODES, "parallel.sync", "allowed: " + ", ".join(SYNC_MODES), p.sync)
+    _validate_sync(cfg)
     _check(p.backend in ("auto", "gloo", "nccl"), "parallel.backend", "allowed: auto, gloo, nccl", p.backend)
     _check(p.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", p.bucket_mb)
     _check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0", p.timeout_s)
@@ -343,7 +366,7 @@ def _check_parallel(p: ParallelConfig) -> None:
     _check(p.ac in ("none", "block", "selective"), "parallel.ac", "allowed: none, block, selective", p.ac)
     _check(p.reduce_dtype in ("fp32", "bf16"), "parallel.reduce_dtype", "allowed: fp32, bf16",
            p.reduce_dtype)
-    if p.dp_shard not in (1, -1) and p.zero == 0:
+    if p.dp_shard not in (1, -1) and p.zero == 0 and p.sync not in ("diloco", "local_sgd"):
         raise ConfigError(f"parallel.zero: 0 (plain DDP) replicates everything, but parallel.dp_shard="
                           f"{p.dp_shard} asks to shard; set parallel.zero to 1, 2 or 3, or dp_shard=1")
     _check(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", f"allowed: {', '.join(PP_SCHEDULES)}",
@@ -447,6 +470,7 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
                           f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
 
+
 def _validate_fault(f: FaultConfig) -> None:
     _check(f.max_restarts >= 0, "fault.max_restarts", "must be >= 0", f.max_restarts)
     _check(f.backoff_s >= 0, "fault.backoff_s", "must be >= 0", f.backoff_s)
@@ -457,6 +481,43 @@ def _validate_fault(f: FaultConfig) -> None:
     from allhands.faults import parse_faults  # the spec's grammar lives with the injector
 
     parse_faults(f.inject)
+
+SYNC_MODES = ("allreduce", "diloco", "local_sgd", "auto")
+
+
+def _validate_sync(cfg: Config) -> None:
+    s, p, r, c = cfg.sync, cfg.parallel, cfg.run, cfg.checkpoint
+    _check(s.compress in ("none", "fp16", "bf16", "powersgd"), "sync.compress",
+           "allowed: none, fp16, bf16, powersgd", s.compress)
+    if s.compress != "none":
+        _check(p.sync in ("allreduce", "auto"), "sync.compress",
+               f"compresses allreduce gradients; parallel.sync={p.sync!r} has none (use "
+               f"sync.outer_compress)", s.compress)
+    _check(s.powersgd_rank >= 1, "sync.powersgd_rank", "must be >= 1", s.powersgd_rank)
+    _check(s.powersgd_start_step >= 1, "sync.powersgd_start_step", "must be >= 1", s.powersgd_start_step)
+    _check(s.inner_steps >= 1, "sync.inner_steps", "must be >= 1", s.inner_steps)
+    _check(s.outer_lr > 0, "sync.outer_lr", "must be > 0", s.outer_lr)
+    _check(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", "must be in [0, 1)", s.outer_momentum)
+    _check(s.outer_compress in ("none", "fp16", "bf16", "int8"), "sync.outer_compress",
+           "allowed: none, fp16, bf16, int8", s.outer_compress)
+    _check(s.sync_warmup_steps >= 0, "sync.sync_warmup_steps", "must be >= 0", s.sync_warmup_steps)
+    _check(s.auto_max_comm_s > 0, "sync.auto_max_comm_s", "must be > 0", s.auto_max_comm_s)
+    if p.sync in ("diloco", "local_sgd", "auto") and (p.pp != 1 or p.tp != 1 or p.zero != 0):
+        raise ConfigError(f"parallel.sync: {p.sync} reconciles plain replicated parameters; it runs with "
+                          f"parallel.pp=1, tp=1 and zero=0 (DDP inside a replica: dp_shard > 1), got "
+                          f"pp={p.pp}, tp={p.tp}, zero={p.zero}")
+    if s.compress != "none" and p.zero >= 2:
+        raise ConfigError(f"sync.compress: {s.compress} is a DDP communication hook; parallel.zero={p.zero} "
+                          f"runs FSDP, which takes none; use parallel.zero 0 or 1, or sync.compress=none")
+    if p.sync in ("diloco", "local_sgd", "auto"):
+        # Between outer syncs the replicas differ: a checkpoint would keep one replica's model
+        # (DCP deduplicates replicated tensors) and an eval would mix replicas, so both happen
+        # only at sync points. The last step always syncs.
+        h = s.inner_steps
+        _check(c.interval % h == 0, "checkpoint.interval",
+               f"must be a multiple of sync.inner_steps={h} with parallel.sync={p.sync}", c.interval)
+        _check(r.eval_interval % h == 0, "run.eval_interval",
+               f"must be a multiple of sync.inner_steps={h} with parallel.sync={p.sync}", r.eval_interval)
 
 
 # --------------------------------------------------------------------------- output

@@ -50,6 +50,11 @@ def worker_env() -> WorkerEnv:
                      e.get("ALLHANDS_HEARTBEAT_DIR", "") if launched else "")
 
 
+def gloo_interface() -> str | None:
+    """The interface gloo was pointed at (``_environment_fixes``), for its traffic counters."""
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
 def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     """Train in this process as one worker of the job the environment describes."""
     from allhands.mesh import Mesh

@@ -83,3 +83,16 @@ class MetricsWriter:
             if "tokens_per_s" in self.last:
                 parts.append(f"{self.last['tokens_per_s']:,.0f} tokens/s")
             print("allhands: done: " + ", ".join(parts), file=sys.stderr, flush=True)
+
+
+def iface_tx_bytes(iface: str | None) -> int | None:
+    """Bytes this host sent on ``iface`` (kernel counter), or None for loopback or no counter.
+
+    Loopback is left out: on one machine it carries every other job's traffic too.
+    """
+    if not iface or iface == "lo":
+        return None
+    try:
+        return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,5 +1,7 @@
-"""PNG plots of a run directory from its metrics.jsonl: loss (train and eval), throughput, and
-step time per rank (a straggler shows as one line above the others)."""
+"""PNG plots of a run directory from its metrics.jsonl: loss (train and eval), throughput,
+step time per rank (a straggler shows as one line above the others), and communication: bytes
+per step (collective payload, its ring lower bound, and the interfaces' counters when the run
+had a non-loopback interface) beside the exposed share of step time."""
 
 from __future__ import annotations
 
@@ -68,4 +70,28 @@ def make_report(run_dir: Path) -> list[Path]:
         ax.set_xlabel("step"), ax.set_ylabel("step time (ms)"), ax.set_title("step time per rank")
         ax.legend(), ax.grid(alpha=0.3)
         save(fig, "step_time.png")
+
+    comm = [r for r in train if "comm_bytes" in r]
+    if comm:
+        save(plot_comm(plt, comm), "communication.png")
     return written
+
+
+def plot_comm(plt, rows: list[dict]):
+    steps = [r["step"] for r in rows]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.plot(steps, [r["comm_bytes"] / 1e6 for r in rows], lw=1, label="collective payload / rank")
+    ax.plot(steps, [r["comm_wire_bytes"] / 1e6 for r in rows], "--", lw=1,
+            label="ring lower bound / rank")
+    if any("net_tx_bytes" in r for r in rows):
+        n_ranks = max(len(r.get("step_time_rank", [1])) for r in rows)
+        ax.plot(steps, [r.get("net_tx_bytes", float("nan")) / 1e6 / n_ranks for r in rows], lw=1,
+                label="interface tx / rank")
+    ax.set_xlabel("step"), ax.set_ylabel("MB per step"), ax.set_title("bytes sent per step")
+    ax.legend(), ax.grid(alpha=0.3)
+    bx.plot(steps, [100 * r["comm_exposed_frac"] for r in rows], lw=1, label="exposed")
+    bx.plot(steps, [100 * min(1.0, r["comm_time"] / max(r["step_time"], 1e-12)) for r in rows],
+            lw=1, label="in flight")
+    bx.set_xlabel("step"), bx.set_ylabel("% of step time"), bx.set_ylim(0, 100)
+    bx.set_title("communication time"), bx.legend(), bx.grid(alpha=0.3)
+    return fig

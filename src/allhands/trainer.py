@@ -30,7 +30,8 @@ from allhands.errors import CheckpointError, ConfigError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.launch import worker_env
 from allhands.mesh import Mesh
-from allhands.metrics import MetricsWriter
+from allhands.launch import gloo_interface
+from allhands.metrics import MetricsWriter, iface_tx_bytes
 from allhands.models import GPT, GPTConfig
 from allhands.export import load_weights
 from allhands.memory import local, log_memory, peak_memory, state_bytes
@@ -81,8 +82,9 @@ def build_data(cfg: Config, job: Job):
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (GPT-2/nanoGPT convention). ``model`` may be the
-    list of this rank's pipeline stages."""
+    """AdamW (or plain SGD, the linear case the DiLoCo H=1 test needs); weight decay on
+    matrices only (GPT-2/nanoGPT convention). ``model`` may be the list of this rank's pipeline
+    stages."""
     o = cfg.optim
     decay, no_decay = [], []
     if isinstance(model, list):
@@ -94,6 +96,8 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.op
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
@@ -163,7 +167,7 @@ class Trainer:
         # bf16 under FSDP is its MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction);
         # replicated layouts use autocast over fp32 parameters.
         fsdp_mp = use_bf16 and p.zero >= 2
-        self.strategy = build_sync(p.sync, bucket_mb=p.bucket_mb)
+        self.strategy, self.sync_note = build_sync(cfg, mesh, self.raw_model)
         # Pipeline split first (the stages are what every later strategy cuts), then each part
         # is parallelized in parallelize()'s order. Without pp there is one part: the model.
         self.pipeline = None
@@ -195,6 +199,7 @@ class Trainer:
         self.optimizer = build_optimizer(parts, cfg)
         if p.zero == 1:
             self.optimizer = apply_zero1(self.optimizer, mesh)
+        self.strategy.attach_optimizer(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)
         self.val_sampler = (GlobalSampler(len(self.val_ds), r.global_batch, cfg.data.seed + 1)
@@ -214,6 +219,10 @@ class Trainer:
             if use_bf16 and not fsdp_mp else contextlib.nullcontext
         self.memory: dict[str, int] | None = None
         self.tokens_per_sample: int | None = None
+        # Communication accounting between two logged steps (see _log_step).
+        self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.local_rank == 0 else None
+        self.net_iface = gloo_interface() if self._tx_at_log is not None else None
+        self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -359,6 +368,7 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
+        metrics.message(f"allhands: {self.sync_note}")
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
@@ -388,9 +398,11 @@ class Trainer:
                 if not logged_memory:
                     logged_memory = log_memory(metrics, self.memory, self.raw_model, self.mesh,
                                                zero=cfg.parallel.zero, step=ts.step)
-                if r.check_sync:
+                if r.check_sync and self.strategy.in_sync(ts.step):
                     self.check_replicas(ts.step)
                 dt = time.perf_counter() - t0
+                self._window[0] += 1
+                self._window[1] += dt
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
                     result = self._log_step(metrics, loss_sum, gnorm, dt)
@@ -442,16 +454,26 @@ class Trainer:
 
     def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
                   dt: float) -> dict[str, Any]:
-        """One small all_gather of (loss, step time, peak memory, holds a loss) per logged step:
-        the mean loss of the ranks that hold one (last pipeline stage, tp rank 0), each rank's
-        time and memory."""
+        """One small all_gather per logged step: the mean loss of the ranks that hold one (last
+        pipeline stage, tp rank 0), each rank's step time and peak memory, and the communication
+        each rank recorded since the last logged step (bytes from the collectives' sizes, in the
+        lab also the interface's counter; seconds in flight and exposed)."""
         mesh, r = self.mesh, self.cfg.run
         peak, peak_kind = peak_memory(mesh.device)
-        mine = torch.tensor([float(loss_sum), dt, peak, float(self._reports_loss)], dtype=torch.float64)
+        payload, wire, comm_s, exposed_s = self.strategy.comm.take()
+        tx = iface_tx_bytes(self.net_iface)
+        sent = tx - self._tx_at_log if tx is not None and self._tx_at_log is not None else 0.0
+        self._tx_at_log = tx
+        steps, window_s = self._window
+        self._window = [0, 0.0]
+        mine = torch.tensor([float(loss_sum), dt, payload, wire, comm_s, exposed_s, sent, window_s,
+                             peak, float(self._reports_loss)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
         dist.all_gather(gathered, mine)
-        losses = [float(g[0]) for g in gathered if g[3] > 0]
-        times = [float(g[1]) for g in gathered]
+        g = torch.stack(gathered)  # (world, 10)
+        losses = g[g[:, 9] > 0, 0].tolist()
+        times = g[:, 1].tolist()
+        per_step = max(steps, 1)
         step_time = max(times)
         samples_per_s = r.global_batch / step_time
         record = {
@@ -460,9 +482,17 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
-            "peak_mem_bytes_rank": [int(g[2]) for g in gathered], "peak_mem_kind": peak_kind,
+            "peak_mem_bytes_rank": [int(v) for v in g[:, 8].tolist()], "peak_mem_kind": peak_kind,
             "nonfinite_skips": self.train_state.nonfinite_skips,
             "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks,
+            # Per step, averaged over the steps since the last logged one (DiLoCo: 1/H of a round).
+            "comm_bytes": float(g[:, 2].mean()) / per_step,       # collective payload per rank
+            "comm_wire_bytes": float(g[:, 3].mean()) / per_step,  # ring lower bound per rank
+            "comm_time": float(g[:, 4].max()) / per_step,
+            "comm_exposed": float(g[:, 5].max()) / per_step,
+            "comm_exposed_frac": float((g[:, 5] / g[:, 7].clamp_min(1e-12)).max()),
         }
+        if self.net_iface is not None or float(g[:, 6].sum()) > 0:
+            record["net_tx_bytes"] = float(g[:, 6].sum()) / per_step  # all nodes' interfaces
         metrics.log(record)
         return record

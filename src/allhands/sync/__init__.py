@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+import torch.nn as nn
+
+from allhands.config import Config
+from allhands.mesh import Mesh
 from allhands.sync.allreduce import AllReduceSync
 from allhands.sync.base import SyncStrategy
+from allhands.sync.diloco import DiLoCoSync, LocalSGDSync, replicate_group
 
-STRATEGIES = {"allreduce": AllReduceSync}
-
-
-def build_sync(name: str, **options) -> SyncStrategy:
-    return STRATEGIES[name](**options)
+STRATEGIES = {"allreduce": AllReduceSync, "diloco": DiLoCoSync, "local_sgd": LocalSGDSync}
 
 
-__all__ = ["AllReduceSync", "SyncStrategy", "build_sync", "STRATEGIES"]
+def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy, str]:
+    """The strategy ``parallel.sync`` names (``auto`` measured here), and a line for the log."""
+    s, name, note = cfg.sync, cfg.parallel.sync, ""
+    if name == "auto":
+        from allhands.sync.auto import choose
+
+        name, note = choose(model, replicate_group(mesh), mesh.device, s.auto_max_comm_s)
+    if name == "allreduce":
+        strategy: SyncStrategy = AllReduceSync(
+            bucket_mb=cfg.parallel.bucket_mb, compress=s.compress, powersgd_rank=s.powersgd_rank,
+            powersgd_start_step=s.powersgd_start_step)
+    elif name == "diloco":
+        strategy = DiLoCoSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
+                              outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
+                              outer_nesterov=s.outer_nesterov, compress=s.outer_compress,
+                              warmup_steps=s.sync_warmup_steps)
+    else:
+        strategy = LocalSGDSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
+                                compress=s.outer_compress, warmup_steps=s.sync_warmup_steps)
+    return strategy, note or f"sync: {strategy.describe()}"
+
+
+__all__ = ["AllReduceSync", "DiLoCoSync", "LocalSGDSync", "SyncStrategy", "build_sync", "STRATEGIES"]

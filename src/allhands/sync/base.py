@@ -7,6 +7,11 @@ The loop calls, in order, for each optimizer step::
             forward; backward
     clip; optimizer.step(); strategy.after_step(step)
 
+and, when it checks or evaluates replicas, asks ``strategy.in_sync(step)`` whether the replicas
+are meant to be identical after that step (always for all-reduce; only at outer syncs for
+DiLoCo and local SGD). Every collective a strategy launches is recorded in ``strategy.comm``
+(sync/comm.py), which the loop reads when it logs.
+
 A strategy that keeps state (an outer optimizer, error feedback) exposes it through
 ``state_dict`` / ``load_state_dict`` and is checkpointed under the key ``sync``.
 """
@@ -16,9 +21,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from allhands.mesh import Mesh
+from allhands.sync.comm import CommMeter
 
 
 class SyncStrategy:
@@ -28,15 +35,29 @@ class SyncStrategy:
     # parallelize() only shards over dp_shard and leaves dp_replicate alone.
     reconciles_replicas = False
 
+    def __init__(self) -> None:
+        self.comm = CommMeter()
+
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         """Return the module the loop runs forward/backward on."""
         raise NotImplementedError
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once with the optimizer the loop steps (DiLoCo keeps each replica's state)."""
 
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def after_step(self, step: int) -> None:
         """Called after each optimizer step with the number of completed steps."""
+
+    def in_sync(self, step: int) -> bool:
+        """Whether every replica holds the same parameters after ``step`` completed steps."""
+        return True
+
+    def describe(self) -> str:
+        """One line for the run's log: what this strategy does."""
+        return self.name
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -1,0 +1,152 @@
+"""When the network is the bottleneck (issue 5): two lab hosts joined by 100 Mbit/s links, one
+worker each, the reference GPT sized so that its gradient all-reduce dominates the step; the same
+seed, data order and token budget for every method, run one after the other in the same lab:
+
+- DDP (synchronous all-reduce): bytes on the wire per step (the interfaces' kernel counters, as
+  logged in metrics.jsonl) / the ring lower bound 2 (N-1)/N x 4P (target <= 1.05);
+- DiLoCo (H inner steps), PowerSGD and bf16 compression against DDP: eval loss at equal tokens
+  (target within 2%), bytes on the wire per step (DiLoCo: about 1/H), and the training wall time
+  to reach DDP's final eval loss (target at least 10x faster for DiLoCo);
+- a PNG of eval loss against training wall time for all runs (bench/figures/lowcomm.png).
+
+Needs root (network namespaces). Wall times exclude process start-up: they run from the start of
+the first step (its metrics stamp minus its step time) to the eval that reaches the loss.
+
+    sudo python bench/lowcomm.py [--steps 200] [--diloco-h 20,50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+# 4 x 12 x 224^2 ~ 2.5M weights: ~10 MB of fp32 gradient per step, ~0.8 s at 100 Mbit/s, while
+# a step's compute on 4 x 32 tokens per worker is a fraction of that on one CPU thread.
+MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=224", "model.seq_len=32",
+         "model.bias=false"]
+RATE_MBIT = 100
+BATCH = 8  # global samples per step: 4 x 32 tokens per worker keeps compute well under comm
+
+
+def job_args(run_dir: Path, steps: int, extra: list[str], eval_every: int) -> list[str]:
+    sets = [*MODEL, f"run.steps={steps}", f"run.global_batch={BATCH}", f"run.eval_interval={eval_every}",
+            "data.eval_batches=4", "checkpoint.interval=0", "checkpoint.at_end=false",
+            "log.progress=false", "log.tensorboard=false", "optim.warmup_steps=10",
+            "optim.lr=2e-3", "run.threads=1", f"run.dir={run_dir}", *extra]
+    return [x for s in sets for x in ("--set", s)]
+
+
+def run_job(lab, run_dir: Path, steps: int, extra: list[str], eval_every: int, port: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
+               ALLHANDS_SECRET="bench-lowcomm")
+    endpoint = f"{lab.hosts[0].addr}:{port}"  # a fresh port per run: no TIME_WAIT clash
+    procs = []
+    for rank, host in enumerate(lab.hosts):
+        cmd = [sys.executable, "-m", "allhands.cli", "train", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc", "1", "--rdzv-endpoint", endpoint, "--local-addr", host.addr,
+               *job_args(run_dir, steps, extra, eval_every)]
+        procs.append(host.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        time.sleep(0.5)
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):  # one node failed: stop the other
+            for p in procs:
+                p.kill()
+        time.sleep(0.2)
+    for p in procs:
+        if p.returncode != 0:
+            raise SystemExit(f"job {extra} failed:\n{p.stdout.read()[-3000:]}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if "loss" in r]
+    t_at = {r["step"]: r["time"] for r in steps_rows}
+    t0 = steps_rows[0]["time"] - steps_rows[0]["step_time"]
+    evals = [(r["step"], t_at.get(r["step"], t0) - t0, r["eval_loss"]) for r in rows if "eval_loss" in r]
+    return {"steps": steps_rows, "evals": evals, "wall": steps_rows[-1]["time"] - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--diloco-h", default="20,50")
+    ap.add_argument("--powersgd-rank", type=int, default=4)
+    args = ap.parse_args()
+
+    from allhands.data import load_token_splits, prepare_embedded
+    from allhands.launch import _cache_dir
+    from allhands.netlab import Lab, unavailable
+    from allhands.config import load_config
+    from allhands.trainer import build_reference_model
+
+    reason = unavailable()
+    if reason:
+        raise SystemExit(f"bench/lowcomm.py: {reason}")
+    data = prepare_embedded(_cache_dir() / "embedded-corpus-v1")
+    cfg = load_config(overrides=[*MODEL, f"data.path={data}"])
+    _, _, meta = load_token_splits(str(data), cfg.model.seq_len)
+    n_params = sum(p.numel() for p in build_reference_model(cfg, meta["vocab_size"]).parameters())
+    ring = 2 * (2 - 1) / 2 * 4 * n_params  # bytes per rank per step, fp32 all-reduce, N = 2
+
+    hs = [int(h) for h in args.diloco_h.split(",")]
+    runs = [("DDP", ["parallel.sync=allreduce"], 10)]
+    runs += [(f"DiLoCo H={h}", ["parallel.sync=diloco", f"sync.inner_steps={h}"], h) for h in hs]
+    runs += [(f"PowerSGD r={args.powersgd_rank}", ["sync.compress=powersgd",
+              f"sync.powersgd_rank={args.powersgd_rank}"], 10),
+             ("bf16", ["sync.compress=bf16"], 10)]
+    out = Path(tempfile.mkdtemp(prefix="allhands-bench-lowcomm-"))
+    results = {}
+    # One lab for all runs: the same links; 9000-byte MTU as on a cluster fabric.
+    with Lab(2, rate_mbit=RATE_MBIT, tag="ahb", prefix="10.55.0", mtu=9000) as lab:
+        for i, (name, extra, ev) in enumerate(runs):
+            results[name] = run_job(lab, out / name.replace(" ", "_").replace("=", ""),
+                                    args.steps, [f"data.path={data}", *extra], ev, 29400 + i)
+            print(f"  ran {name}: {results[name]['wall']:.1f} s", flush=True)
+
+    print(f"two lab hosts x 1 worker, {RATE_MBIT} Mbit/s tbf each way, MTU 9000; model "
+          f"{' '.join(MODEL)} ({n_params / 1e6:.2f}M parameters, {4 * n_params / 1e6:.1f} MB fp32); "
+          f"{args.steps} steps x {BATCH} samples x 32 tokens for every run")
+    ddp = results["DDP"]
+    ddp_final = ddp["evals"][-1][2]
+    ddp_wire = statistics.median(r["net_tx_bytes"] / 2 for r in ddp["steps"][1:])
+    print(f"DDP: bytes on the wire per step per rank {ddp_wire / 1e6:.3f} MB / ring lower bound "
+          f"{ring / 1e6:.3f} MB = {ddp_wire / ring:.3f} (target <= 1.05)")
+    print(f"{'method':<14} {'final eval':>10} {'vs DDP':>8} {'wire MB/step':>12} {'bytes/DDP':>9} "
+          f"{'train wall s':>12} {'t to DDP loss':>13} {'speed-up':>8}")
+    for name, r in results.items():
+        final = r["evals"][-1][2]
+        wire = sum(x["net_tx_bytes"] for x in r["steps"]) / len(r["steps"]) / 2
+        reach = next((t for _, t, loss in r["evals"] if loss <= ddp_final), None)
+        speed = ddp["wall"] / reach if reach else float("nan")
+        print(f"{name:<14} {final:>10.4f} {100 * (final / ddp_final - 1):>+7.2f}% {wire / 1e6:>12.3f} "
+              f"{wire / (sum(x['net_tx_bytes'] for x in ddp['steps']) / len(ddp['steps']) / 2):>9.3f} "
+              f"{r['wall']:>12.1f} {(f'{reach:.1f}' if reach else 'not reached'):>13} "
+              f"{(f'{speed:.1f}x' if reach else '-'):>8}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, r in results.items():
+        ax.plot([t for _, t, _ in r["evals"]], [loss for _, _, loss in r["evals"]], "o-", ms=3,
+                lw=1, label=name)
+    ax.set_xlabel("training wall time (s)"), ax.set_ylabel("eval loss")
+    ax.set_title(f"2 hosts, {RATE_MBIT} Mbit/s links, equal tokens"), ax.grid(alpha=0.3), ax.legend()
+    fig.tight_layout()
+    fig_path = ROOT / "bench" / "figures" / "lowcomm.png"
+    fig_path.parent.mkdir(exist_ok=True)
+    fig.savefig(fig_path, dpi=80)
+    print(f"plot: {fig_path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

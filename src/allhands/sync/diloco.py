@@ -1,0 +1,236 @@
+"""DiLoCo and local SGD: replicas train alone for H steps, then reconcile once.
+
+DiLoCo (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1): every replica group runs H inner
+steps with its own optimizer (the trainer's AdamW) on its own data; then the groups average
+their pseudo-gradient  Delta = theta_anchor - theta_local  (one all-reduce over the
+``dp_replicate`` mesh dimension) and an outer optimizer applies it to the anchor (Nesterov SGD,
+lr 0.7, momentum 0.9 in the paper). Local SGD / model averaging (Stich 2019; Lin et al. 2020)
+is the special case "anchor minus the averaged Delta", i.e. the mean of the replicas.
+
+Inner steps are local: the model is not wrapped in DDP across ``dp_replicate``; so the bytes
+per step are 1/H of synchronous data parallelism. With plain SGD inside, H=1 and an outer SGD
+with lr 1 and no momentum, one round is exactly a synchronous SGD step (tests/test_diloco.py).
+
+The outer payload can be compressed: fp16/bf16 (cast after dividing by N, all-reduce), or int8
+with one fp32 scale per chunk of 2048 values (all-gather of the int8 codes, decoded and averaged
+locally, because an int8 sum would overflow). The anchor and the outer momentum are
+checkpointed under ``sync``. Only parameters are reconciled; buffers stay per replica.
+
+Warm-up (``sync.sync_warmup_steps`` = W): the first W steps are synchronous data parallelism
+(each step's gradients averaged before the optimizer step), then the rounds start from the
+common model, as in post-local SGD (Lin et al. 2020, arXiv:1808.07217) and as DiLoCo itself
+starts from a synchronously pre-trained model: the first rounds from a random init move the
+replicas far apart, and the outer momentum amplifies that (an eval-loss spike in bench/lowcomm.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from allhands.mesh import Mesh
+from allhands.sync.base import SyncStrategy
+
+OUTER_COMPRESSORS = ("none", "fp16", "bf16", "int8")
+INT8_CHUNK = 2048
+
+
+def replicate_group(mesh: Mesh) -> dist.ProcessGroup:
+    """The one mesh lookup of this module: the outer sync spans the dp_replicate dimension;
+    inside a replica (dp_shard > 1) parallelize() applies DDP and the replica's ranks move alike."""
+    return mesh.group("dp_replicate")
+
+
+class DiLoCoSync(SyncStrategy):
+    name = "diloco"
+    reconciles_replicas = True  # parallelize() leaves dp_replicate to the outer sync
+
+    def __init__(self, *, inner_steps: int, total_steps: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_nesterov: bool = True, compress: str = "none",
+                 average: bool = False, warmup_steps: int = 0):
+        super().__init__()
+        if compress not in OUTER_COMPRESSORS:
+            raise ValueError(f"unknown outer compressor {compress!r}")
+        self.h, self.total = inner_steps, total_steps
+        self.warmup = warmup_steps
+        self.step = 0  # completed steps, as last told by after_step (checkpointed)
+        self.outer_lr, self.momentum, self.nesterov = outer_lr, outer_momentum, outer_nesterov
+        self.compress = compress
+        self.average = average
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.SGD | None = None
+        self.inner: torch.optim.Optimizer | None = None
+
+    def describe(self) -> str:
+        how = ("model averaging" if self.average else
+               f"outer SGD lr {self.outer_lr} momentum {self.momentum}"
+               f"{' nesterov' if self.nesterov and self.momentum else ''}")
+        warm = f"; synchronous for the first {self.warmup} steps" if self.warmup else ""
+        return f"{self.name}: sync every {self.h} steps ({how}; payload {self.compress}{warm})"
+
+    def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
+        self.group = replicate_group(mesh)
+        self.n = self.group.size()
+        named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+        self.names = [k for k, _ in named]
+        self.params = [p for _, p in named]
+        with torch.no_grad():
+            # Replicas must start equal (DDP would broadcast); one broadcast at start only.
+            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            for p, v in zip(self.params, flat.split([p.numel() for p in self.params])):
+                p.copy_(v.view_as(p))
+            # fp32 anchors whatever the parameter dtype: the outer update is a small difference.
+            self.anchor = [p.detach().float().clone() for p in self.params]
+        if not self.average:
+            self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=self.momentum,
+                                         nesterov=self.nesterov and self.momentum > 0)
+            if self.momentum > 0:
+                # Zero buffers now, so a resume finds tensors of the right shape to load into
+                # (SGD would otherwise create them at the first step; μ·0 + g is the same).
+                for a in self.anchor:
+                    self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
+        return model
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner = optimizer
+
+    def in_sync(self, step: int) -> bool:
+        return step <= self.warmup or step % self.h == 0 or step >= self.total
+
+    def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        if last and self.step < self.warmup:
+            return self._average_gradients_after()
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _average_gradients_after(self):
+        yield  # the backward of the step's last micro-batch has run
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) / self.n  # (sum numel,) fp32
+        t0 = time.perf_counter()
+        self.comm.collective("all_reduce", flat.numel() * 4, self.n)
+        dist.all_reduce(flat, group=self.group)
+        self.comm.blocking(time.perf_counter() - t0)
+        for p, g in zip(self.params, flat.split([p.numel() for p in self.params])):
+            p.grad = g.view_as(p).to(p.dtype)
+
+    def after_step(self, step: int) -> None:
+        self.step = step
+        if step < self.warmup:
+            return
+        if step == self.warmup:
+            with torch.no_grad():  # replicas are identical here: the rounds start from them
+                for a, p in zip(self.anchor, self.params):
+                    a.copy_(p)
+        elif self.in_sync(step):
+            self.outer_step()
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        sizes = [a.numel() for a in self.anchor]
+        # Pseudo-gradient, flattened: (sum of parameter numels,) fp32.
+        delta = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(self.anchor, self.params)])
+        t0 = time.perf_counter()
+        avg = self._average(delta)
+        self.comm.blocking(time.perf_counter() - t0)
+        for a, g in zip(self.anchor, avg.split(sizes)):
+            if self.outer is None:
+                a.sub_(g.view_as(a))
+            else:
+                a.grad = g.view_as(a)
+        if self.outer is not None:
+            self.outer.step()
+            for a in self.anchor:
+                a.grad = None
+        for p, a in zip(self.params, self.anchor):
+            p.copy_(a)
+
+    def _average(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean of ``x`` (flat fp32) over the replicate group, through the chosen payload."""
+        n = self.n
+        if self.compress == "int8":
+            return self._average_int8(x)
+        dtype = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.compress]
+        buf = (x / n).to(dtype)  # divide first: a half-precision sum of N terms cannot overflow
+        self.comm.collective("all_reduce", buf.numel() * buf.element_size(), n)
+        dist.all_reduce(buf, group=self.group)
+        return buf.float()
+
+    def _average_int8(self, x: torch.Tensor) -> torch.Tensor:
+        n, numel = self.n, x.numel()
+        pad = (-numel) % INT8_CHUNK
+        chunks = torch.nn.functional.pad(x, (0, pad)).view(-1, INT8_CHUNK)  # (C, 2048)
+        scale = (chunks.abs().amax(dim=1) / 127.0).clamp_min(1e-30)          # (C,)
+        codes = torch.round(chunks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.comm.collective("all_gather", codes.numel() + scale.numel() * 4, n)
+        all_codes = [torch.empty_like(codes) for _ in range(n)]
+        all_scales = [torch.empty_like(scale) for _ in range(n)]
+        dist.all_gather(all_codes, codes, group=self.group)
+        dist.all_gather(all_scales, scale, group=self.group)
+        total = torch.zeros_like(chunks)
+        for c, s in zip(all_codes, all_scales):  # same order on every rank: identical results
+            total += c.float() * s[:, None]
+        return (total / n).reshape(-1)[:numel]
+
+    # -- checkpoint: anchors and outer momentum by parameter name (identical on every replica),
+    # and each replica's inner optimizer state under its own key: the ``model`` key's optimizer
+    # state is saved once for all replicas (DCP deduplicates it), but inner AdamW moments differ
+    # per replica, and an exact resume needs each one back.
+    def _inner_state(self) -> dict[str, torch.Tensor]:
+        if self.inner is None:
+            return {}
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(self.inner)  # AdamW creates its moments lazily; a resume needs shapes
+        out = {}
+        for k, p in zip(self.names, self.params):
+            for field, v in self.inner.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    # A copy: the ``model`` key hands DCP these very tensors too, and on load
+                    # its (one replica's) values would land in them after ours.
+                    out[f"{k}.{field}"] = v.detach().clone()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"anchor": dict(zip(self.names, self.anchor)),
+                                 "step": torch.tensor(self.step)}
+        if self.outer is not None and self.momentum > 0:
+            state["momentum"] = {k: self.outer.state[a]["momentum_buffer"]
+                                 for k, a in zip(self.names, self.anchor)}
+        inner = self._inner_state()
+        if inner:
+            state["inner"] = {f"replica{dist.get_rank(self.group)}": inner}
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, a in zip(self.names, self.anchor):
+            a.copy_(state["anchor"][k])
+        self.step = int(state["step"])
+        if "momentum" in state and self.outer is not None:
+            for k, a in zip(self.names, self.anchor):
+                self.outer.state[a]["momentum_buffer"].copy_(state["momentum"][k])
+        mine = state.get("inner", {}).get(f"replica{dist.get_rank(self.group)}", {})
+        for k, p in zip(self.names, self.params):
+            for field, v in self.inner.state.get(p, {}).items() if self.inner else ():
+                if f"{k}.{field}" in mine and isinstance(v, torch.Tensor):
+                    v.copy_(mine[f"{k}.{field}"])
+
+
+class LocalSGDSync(DiLoCoSync):
+    """Model averaging every H steps: DiLoCo's round with the mean of the replicas as result."""
+
+    name = "local_sgd"
+
+    def __init__(self, *, inner_steps: int, total_steps: int, compress: str = "none",
+                 warmup_steps: int = 0):
+        super().__init__(inner_steps=inner_steps, total_steps=total_steps, compress=compress,
+                         average=True, warmup_steps=warmup_steps)
