@@ -220,7 +220,7 @@ class Trainer:
         self.memory: dict[str, int] | None = None
         self.tokens_per_sample: int | None = None
         # Communication accounting between two logged steps (see _log_step).
-        self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.local_rank == 0 else None
+        self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.node_local_rank == 0 else None
         self.net_iface = gloo_interface() if self._tx_at_log is not None else None
         self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
 
