@@ -216,9 +216,9 @@ def test_elastic_nnodes_range_must_keep_the_global_batch_divisible(tmp_path, tok
     from conftest import tiny_config
 
     cfg = tiny_config(token_dir, tmp_path / "run", "run.global_batch=16")
-    spec = LaunchSpec(nproc=2, nnodes=4, min_nodes=2, rdzv_endpoint="127.0.0.1:29999")
+    spec = LaunchSpec(nproc=2, nnodes=4, min_nodes=2, rdzv_endpoint="127.0.0.1:29999", insecure=True)
     with pytest.raises(ConfigError, match=r"^run.global_batch: 16 is not allowed; must be divisible by "
-                                          r"workers x micro_batches = 6 x 1 = 6 \(--nnodes 2:4 may shrink "
+                                          r"data-parallel ranks x micro_batches = 6 x 1 = 6 \(--nnodes 2:4 may shrink "
                                           r"the job to 3 node\(s\) x 2 workers\)$"):
         train_job(cfg, spec)
     with pytest.raises(ConfigError, match="--nnodes"):
