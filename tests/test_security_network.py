@@ -86,10 +86,11 @@ def _listeners(pids: set[int]) -> list[tuple[str, int, int]]:
     return sorted(found)
 
 
-def _wait_for(paths, proc, timeout=180) -> None:
+def _wait_for(paths, procs, timeout=180) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        for proc in procs:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the job did not reach its all_reduce in time"
         time.sleep(0.2)
 
@@ -99,7 +100,7 @@ def test_single_host_job_listens_on_loopback_only(tmp_path, cli_env):
     out.mkdir()
     proc = _launch(["--nproc", "2", JOB, str(out), "120"], cli_env)
     try:
-        _wait_for([out / "rank0.json", out / "rank1.json"], proc)
+        _wait_for([out / "rank0.json", out / "rank1.json"], [proc])
         listening = _listeners(_descendants(proc.pid))
     finally:
         (out / "go").touch()
@@ -332,6 +333,8 @@ def test_two_hosts_listen_on_the_named_addresses_only(tmp_path, cli_env, two_hos
     """Node 0 hosts the rendezvous on 10.66.0.1, node 1 joins from 10.66.0.2 with the same
     secret: every listener of either node is on its own named address, and the job computes."""
     cli_env["ALLHANDS_SECRET"] = "0123456789abcdef" * 2
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # set by in-process launches
+        cli_env.pop(var, None)  # before; each node must find its interface from --local-addr
     out = tmp_path / "out"
     out.mkdir()
     procs = [subprocess.Popen(["ip", "netns", "exec", ns, *ALLHANDS, "launch", "--nnodes", "2",
@@ -341,7 +344,7 @@ def test_two_hosts_listen_on_the_named_addresses_only(tmp_path, cli_env, two_hos
                               stderr=subprocess.PIPE)
              for i, (ns, addr) in enumerate(two_hosts)]
     try:
-        _wait_for([out / "rank0.json", out / "rank1.json"], procs[0])
+        _wait_for([out / "rank0.json", out / "rank1.json"], procs, timeout=120)
         listening = [_listeners(_descendants(p.pid)) for p in procs]
     finally:
         (out / "go").touch()
