@@ -48,6 +48,7 @@ class Mesh:
     sizes: dict[str, int] = field(default_factory=dict)
     dp_mesh: DeviceMesh | None = None
     _ckpt_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    _admit: bool = field(default=False, repr=False)
 
     DIMS = MESH_DIMS
 
@@ -62,6 +63,7 @@ class Mesh:
         sizes = mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp),
                            world_size)
         timeout = datetime.timedelta(seconds=timeout_s)
+        admit = False  # launched workers prove the job secret on every group they will use
         if not dist.is_initialized():
             if world_size == 1 and rank == 0 and not _has_rendezvous_env():
                 # In-process single worker (Python API without a launcher): a private store.
@@ -71,9 +73,22 @@ class Mesh:
                 dist.init_process_group(backend, init_method="env://", rank=rank,
                                         world_size=world_size, timeout=timeout)
                 admit_peers(dev)  # before any collective: every peer proves the job secret
+                admit = True
         dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
         dp_mesh = dmesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh)
+        mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, _admit=admit)
+        # Each dim's group has connections of its own, set up through the store: a stranger
+        # could pose as a member there, so it is admitted like the default group.
+        for dim in (*cls.DIMS, "dp"):
+            if mesh.size(dim) > 1:
+                mesh._admitted(mesh.group(dim))
+        return mesh
+
+    def _admitted(self, group: dist.ProcessGroup | None,
+                  device: torch.device | None = None) -> dist.ProcessGroup | None:
+        if self._admit and group is not None:
+            admit_peers(device or self.device, group)
+        return group
 
     # -- any named dim
     def get(self, dim: str) -> DeviceMesh | None:
@@ -124,7 +139,7 @@ class Mesh:
         grid = self.device_mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
         pairs = [[int(a), int(b)] for a, b in zip(grid[0].flatten(), grid[-1].flatten())]
         mine, _ = dist.new_subgroups_by_enumeration(pairs)
-        return mine
+        return self._admitted(mine)
 
     def describe(self) -> str:
         return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS)
@@ -134,7 +149,7 @@ class Mesh:
         writer thread: on a group of their own they never interleave with the training
         collectives of the main thread. Collective on first call: every rank calls it alike."""
         if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo")
+            self._ckpt_group = self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
         return self._ckpt_group
 
     def destroy(self) -> None:
