@@ -74,7 +74,7 @@ def test_supervise_restarts_with_backoff_then_gives_up_with_one_line(tmp_path, c
     events = [json.loads(line) for line in (tmp_path / "logs" / "restarts.jsonl").read_text().splitlines()]
     assert [e["verdict"] for e in events] == ["restart", "restart", "give_up"]
     err = capsys.readouterr().err
-    assert "restart 1/2 from the start (no committed checkpoint yet) in 0.2 s" in err
+    assert "restart 1/2 from the start (no committed checkpoint yet) after 0.2 s" in err
 
     calls.clear()
 

@@ -200,7 +200,9 @@ def _say(msg: str) -> None:
 def _restart_point(run_dir: Path | None) -> str:
     from allhands.checkpoint import committed
 
-    found = committed(run_dir / "checkpoints") if run_dir else []
+    if run_dir is None:  # `allhands launch script.py`: the script owns its run directory
+        return "the script's last committed checkpoint"
+    found = committed(run_dir / "checkpoints")
     return f"checkpoint step {found[-1][0]}" if found else "the start (no committed checkpoint yet)"
 
 
@@ -239,8 +241,9 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
                     progressed = dog.progressed()
             verdict = policy.decide(summary, restarts, flakes, progressed) if restart_here else "give_up"
             record = {"attempt": n, "failed_at": failed_at, "summary": summary, "verdict": verdict,
-                      "hang": bool(dog.hangs), "resume_from": _restart_point(run_dir)}
+                      "hang": bool(dog.hangs)}
             if verdict in ("fatal", "give_up"):
+                record["resume_from"] = _restart_point(run_dir)
                 _log_event(run_dir, record)
                 if verdict == "fatal" or not restart_here or policy.max_restarts == 0:
                     raise LaunchError(summary) from None
@@ -259,10 +262,12 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
                 stalled = 0 if progressed else stalled + 1
                 delay = policy.delay(max(1, stalled))
                 what = f"restart {restarts}/{policy.max_restarts}"
-            record["delay_s"] = delay
-            _log_event(run_dir, record)
-            _say(f"allhands: {summary}; {what} from {record['resume_from']} in {delay:.1f} s")
             time.sleep(delay)
+            # Read after the backoff: a worker that raised gives its save in flight time to
+            # commit (Checkpointer.drain), which may land just after the failure is reported.
+            record["delay_s"], record["resume_from"] = delay, _restart_point(run_dir)
+            _log_event(run_dir, record)
+            _say(f"allhands: {summary}; {what} from {record['resume_from']} after {delay:.1f} s")
             n += 1
     finally:
         import shutil

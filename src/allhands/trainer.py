@@ -435,6 +435,9 @@ class Trainer:
     def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
         for w in self.ckpt.warnings:
             metrics.message(f"allhands: warning: {w}")
+        if self.ckpt.warnings:  # a failed save surfaces asynchronously: its own metrics line
+            metrics.log({"step": self.train_state.step, "checkpoint_failures": self.ckpt.failures,
+                         "time": time.time()})
         self.ckpt.warnings.clear()
 
     def _rollback(self, metrics: MetricsWriter) -> bool:
