@@ -49,6 +49,7 @@ def job_args(run_dir: Path, steps: int, extra: list[str], eval_every: int) -> li
 def run_job(lab, run_dir: Path, steps: int, extra: list[str], eval_every: int, port: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
                ALLHANDS_SECRET="bench-lowcomm")
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks eth0 from --local-addr
     endpoint = f"{lab.hosts[0].addr}:{port}"  # a fresh port per run: no TIME_WAIT clash
     procs = []
     for rank, host in enumerate(lab.hosts):
