@@ -203,9 +203,11 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     if spec.multi_node:
         endpoint = spec.rdzv_endpoint
         host, _, port = endpoint.rpartition(":")
-        rdzv_configs: dict[str, Any] = {"timeout": 900}
+        # is_host explicit on every node: left unset, torch guesses it from the host name, and a
+        # node that starts first on the endpoint's machine (nodes sharing a host, as in tests)
+        # takes the port before node 0 does.
+        rdzv_configs: dict[str, Any] = {"timeout": 900, "is_host": spec.node_rank == 0}
         if spec.node_rank == 0:
-            rdzv_configs["is_host"] = True
             check_port_free(spec.local_addr or "0.0.0.0", int(port))
     else:
         if spec.port:
