@@ -49,6 +49,7 @@ def job_args(run_dir: Path, steps: int, extra: list[str], eval_every: int) -> li
 def run_job(lab, run_dir: Path, steps: int, extra: list[str], eval_every: int, port: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
                ALLHANDS_SECRET="bench-lowcomm")
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks eth0 from --local-addr
     endpoint = f"{lab.hosts[0].addr}:{port}"  # a fresh port per run: no TIME_WAIT clash
     procs = []
     for rank, host in enumerate(lab.hosts):
@@ -78,6 +79,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--diloco-h", default="20,50")
     ap.add_argument("--powersgd-rank", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="DiLoCo: synchronous steps before the first round (sync.sync_warmup_steps)")
+    ap.add_argument("--reach-factor", type=int, default=2,
+                    help="also run the last DiLoCo H with this many times the tokens (1: no)")
+    ap.add_argument("--only", default="", help="comma-separated run names to run (DDP always runs)")
     args = ap.parse_args()
 
     from allhands.data import load_token_splits, prepare_embedded
@@ -96,36 +102,46 @@ def main() -> None:
     ring = 2 * (2 - 1) / 2 * 4 * n_params  # bytes per rank per step, fp32 all-reduce, N = 2
 
     hs = [int(h) for h in args.diloco_h.split(",")]
-    runs = [("DDP", ["parallel.sync=allreduce"], 10)]
-    runs += [(f"DiLoCo H={h}", ["parallel.sync=diloco", f"sync.inner_steps={h}"], h) for h in hs]
+    diloco = lambda h: ["parallel.sync=diloco", f"sync.inner_steps={h}",  # noqa: E731
+                        f"sync.sync_warmup_steps={args.warmup}"]
+    # (name, overrides, eval interval, steps)
+    runs = [("DDP", ["parallel.sync=allreduce"], 10, args.steps)]
+    runs += [(f"DiLoCo H={h}", diloco(h), h, args.steps) for h in hs]
+    if args.reach_factor > 1:  # the time to DDP's final loss, given more tokens if it needs them
+        runs.append((f"DiLoCo H={hs[-1]} x{args.reach_factor}", diloco(hs[-1]), hs[-1],
+                     args.steps * args.reach_factor))
     runs += [(f"PowerSGD r={args.powersgd_rank}", ["sync.compress=powersgd",
-              f"sync.powersgd_rank={args.powersgd_rank}"], 10),
-             ("bf16", ["sync.compress=bf16"], 10)]
+              f"sync.powersgd_rank={args.powersgd_rank}"], 10, args.steps),
+             ("bf16", ["sync.compress=bf16"], 10, args.steps)]
+    if args.only:
+        keep = {"DDP", *args.only.split(",")}
+        runs = [r for r in runs if r[0] in keep]
     out = Path(tempfile.mkdtemp(prefix="allhands-bench-lowcomm-"))
     results = {}
     # One lab for all runs: the same links; 9000-byte MTU as on a cluster fabric.
     with Lab(2, rate_mbit=RATE_MBIT, tag="ahb", prefix="10.55.0", mtu=9000) as lab:
-        for i, (name, extra, ev) in enumerate(runs):
+        for i, (name, extra, ev, steps) in enumerate(runs):
             results[name] = run_job(lab, out / name.replace(" ", "_").replace("=", ""),
-                                    args.steps, [f"data.path={data}", *extra], ev, 29400 + i)
+                                    steps, [f"data.path={data}", *extra], ev, 29400 + i)
             print(f"  ran {name}: {results[name]['wall']:.1f} s", flush=True)
 
     print(f"two lab hosts x 1 worker, {RATE_MBIT} Mbit/s tbf each way, MTU 9000; model "
           f"{' '.join(MODEL)} ({n_params / 1e6:.2f}M parameters, {4 * n_params / 1e6:.1f} MB fp32); "
-          f"{args.steps} steps x {BATCH} samples x 32 tokens for every run")
+          f"{args.steps} steps x {BATCH} samples x 32 tokens for every run (x{args.reach_factor} where "
+          f"marked); DiLoCo: outer Nesterov lr 0.7 momentum 0.9, {args.warmup} synchronous warm-up steps")
     ddp = results["DDP"]
     ddp_final = ddp["evals"][-1][2]
     ddp_wire = statistics.median(r["net_tx_bytes"] / 2 for r in ddp["steps"][1:])
     print(f"DDP: bytes on the wire per step per rank {ddp_wire / 1e6:.3f} MB / ring lower bound "
           f"{ring / 1e6:.3f} MB = {ddp_wire / ring:.3f} (target <= 1.05)")
-    print(f"{'method':<14} {'final eval':>10} {'vs DDP':>8} {'wire MB/step':>12} {'bytes/DDP':>9} "
+    print(f"{'method':<16} {'final eval':>10} {'vs DDP':>8} {'wire MB/step':>12} {'bytes/DDP':>9} "
           f"{'train wall s':>12} {'t to DDP loss':>13} {'speed-up':>8}")
     for name, r in results.items():
         final = r["evals"][-1][2]
         wire = sum(x["net_tx_bytes"] for x in r["steps"]) / len(r["steps"]) / 2
         reach = next((t for _, t, loss in r["evals"] if loss <= ddp_final), None)
         speed = ddp["wall"] / reach if reach else float("nan")
-        print(f"{name:<14} {final:>10.4f} {100 * (final / ddp_final - 1):>+7.2f}% {wire / 1e6:>12.3f} "
+        print(f"{name:<16} {final:>10.4f} {100 * (final / ddp_final - 1):>+7.2f}% {wire / 1e6:>12.3f} "
               f"{wire / (sum(x['net_tx_bytes'] for x in ddp['steps']) / len(ddp['steps']) / 2):>9.3f} "
               f"{r['wall']:>12.1f} {(f'{reach:.1f}' if reach else 'not reached'):>13} "
               f"{(f'{speed:.1f}x' if reach else '-'):>8}")

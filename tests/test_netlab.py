@@ -91,6 +91,9 @@ def test_two_lab_hosts_train_like_one_process(token_dir, tmp_path, cli_env):
     run_dir = tmp_path / "run"
     sets = [*TINY, f"data.path={token_dir}", f"run.dir={run_dir}", "run.check_sync=true"]
     env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret", OMP_NUM_THREADS="1")
+    # An in-process single-node job earlier in this pytest process set GLOO_SOCKET_IFNAME=lo;
+    # here the launcher must pick the lab interface from --local-addr.
+    env.pop("GLOO_SOCKET_IFNAME", None)
     with Lab(2, tag=TAG, prefix=PREFIX) as lab:
         endpoint = f"{lab.hosts[0].addr}:29400"
         procs = []

@@ -218,12 +218,6 @@ def _check_security_args(s: LaunchSpec) -> None:
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     """Environment the workers inherit; set here so that users never have to."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    if not spec.multi_node:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    elif spec.local_addr and "GLOO_SOCKET_IFNAME" not in os.environ:
-        ifname = interface_of(spec.local_addr)
-        if ifname:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
     # These two log each worker failure with a traceback of the *agent*; failure_summary()
     # says the same in one line with the worker's own cause.
@@ -294,10 +288,16 @@ def _secured(spec: LaunchSpec, run_id: str):
     env = admission.worker_environment(secret)
     # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
+    # Set for the workers only and restored afterwards: a process that launches a single-node
+    # job and then a multi-node one must not pin the second to loopback.
     if not spec.multi_node:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
         env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
-    elif spec.bind and "GLOO_SOCKET_IFNAME" not in os.environ and interface_of(spec.bind):
-        env["GLOO_SOCKET_IFNAME"] = interface_of(spec.bind)  # gloo listens where we were told
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo listens where we were told: --bind, else the address other nodes reach us at
+        ifname = next((interface_of(a) for a in (spec.bind, spec.local_addr) if a and interface_of(a)), None)
+        if ifname:
+            env["GLOO_SOCKET_IFNAME"] = ifname
     saved = {k: os.environ.get(k) for k in env}
     try:
         for k, v in env.items():
