@@ -396,6 +396,9 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.seq_len={m.seq_len}, which sequence "
                               f"parallelism shards; change one or set parallel.tp_sequence_parallel=false")
     v = pp_stages_per_rank(p)
+    if pp > 1 and p.zero == 1:
+        raise ConfigError(f"parallel.zero: 1 (ZeroRedundancyOptimizer over DDP) does not run under "
+                          f"pipeline stages; with parallel.pp={pp} use parallel.zero=2 or 3, or 0")
     if pp == 1:
         if p.pp_schedule == "interleaved1f1b" and p.pp_stages_per_rank > 1:
             raise ConfigError("parallel.pp_stages_per_rank: several stages per rank need parallel.pp > 1")
