@@ -6,7 +6,7 @@
    schedule waits for activations and gradients outside them); idle = step wall time - busy.
    The bubble formula (GPipe paper, Huang et al. 2019; Narayanan et al. 2021 for 1F1B) says the
    idle time is (p-1)/m of the ideal (busy) time, so the figure per stage is
-   ``(idle / busy) / ((p-1)/m)``: 1.0 means the bubble is exactly what theory predicts; more
+   ``(idle / busy) / ((p-1)/m)``, idle/busy taken per step and its median over the steps: 1.0 means the bubble is exactly what theory predicts; more
    means extra idle time (p2p transfers, unequal stages: the first stage holds the embedding,
    the last the head and the loss).
 
@@ -85,7 +85,9 @@ def bubble(mesh, steps: int) -> dict:
                 if i >= 2:
                     walls.append(time.perf_counter() - t0)
                     busies.append(busy[0])
-            out[f"{schedule}/{m}"] = {"wall": sum(walls), "busy": sum(busies)}
+            # per step, median over steps: one step slowed by another process on this shared
+            # machine must not decide the figure
+            out[f"{schedule}/{m}"] = statistics.median((w - b) / b for w, b in zip(walls, busies))
     return out
 
 
@@ -163,8 +165,7 @@ def main() -> None:
         theory = (p - 1) / int(m)
         cells = []
         for stage, per_rank in enumerate(res["bubble"]):
-            b = per_rank[key]
-            idle = (b["wall"] - b["busy"]) / b["busy"]
+            idle = per_rank[key]
             cells.append(f"s{stage}: {idle:.3f} -> {idle / theory:.2f}")
         print(f"{schedule:8s} {m:>2s}  {theory:.3f}   " + "   ".join(cells))
     lay = {k: statistics.median(v) for k, v in res["layouts"].items()}
