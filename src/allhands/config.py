@@ -44,7 +44,7 @@ class ModelConfig:
     vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
     dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
     bias: bool = _f(True, "use bias in linear layers and layer norms")
-    tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2); kept across pipeline stages")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2), also across pp stages")
 
 
 @dataclass
@@ -88,11 +88,11 @@ class ParallelConfig:
     ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
     reduce_dtype: str = _f("fp32", "gradient reduction dtype under zero 2/3 with run.precision=bf16: fp32 or bf16")
     # tensor and pipeline parallelism (parallel/tensor.py, parallel/pipeline.py)
-    tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti et al. 2022)")
+    tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti 2022)")
     pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved1f1b")
     pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
     pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
-    pp_split: str = _f("", "comma-separated FQNs of the units that begin stages 1..; empty = the model's own split")
+    pp_split: str = _f("", "comma-separated FQNs of the units beginning stages 1..; empty = the model's own")
 
 
 @dataclass

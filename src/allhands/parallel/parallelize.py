@@ -60,7 +60,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
             raise ValueError("parallel.ac needs a model with an nn.ModuleList of blocks")
         apply_ac(model, blocks=blocks, mode=ac)
     if zero >= 2:
-        return apply_fsdp(model, mesh, blocks=list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ()), reshard_after_forward=zero == 3,
+        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ())
+        return apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,
                           hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ranks = mesh.dp_size if replicate else mesh.size("dp_shard")
     if ranks > 1:
