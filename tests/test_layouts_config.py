@@ -55,3 +55,15 @@ def test_bad_layouts_name_the_field_and_the_arithmetic(items, world, message):
         validate(cfg_with(*items), world_size=world, need_data=False)
     assert str(e.value).startswith(message), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_bad_layout_before_start(capsys, tmp_path, monkeypatch):
+    from allhands import cli
+
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["train", "--nproc", "4", "--set", "parallel.dp_replicate=2", "--set",
+                   "parallel.dp_shard=3", "--set", "parallel.zero=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "parallel: dp_replicate=2 x dp_shard=3 x tp=1 x pp=1 = 6, but the job has 4 workers" in err[0]
+    assert not (tmp_path / "runs").exists()

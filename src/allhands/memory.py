@@ -98,6 +98,10 @@ def log_memory(metrics: Any, held: dict[str, int] | None, model: nn.Module, mesh
                  "memory_expected_bytes": expected, "memory_expected_bytes_rank": expected_rank,
                  "memory_zero": zero,
                  "memory_measured_at": "after step 1, between optimizer.step and zero_grad"})
+    if zero == 2:
+        metrics.message("allhands: note: FSDP2 frees the full parameters after backward, so at rest a "
+                        "ZeRO-2 rank holds only its parameter shard; the formula's 4 Psi of full "
+                        "parameters is held from the end of forward to each block's backward")
     for rank, (pb, gb, ob, _), expected in zip(range(len(rows)), rows, expected_rank):
         metrics.message(f"allhands: rank {rank} holds params {pb / 2**20:.2f} MiB, grads "
                         f"{gb / 2**20:.2f} MiB, optimizer state {ob / 2**20:.2f} MiB = "

@@ -44,8 +44,9 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, *, blocks: list[nn.Module], reshard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    # The root's parameters are needed again at the start of backward (the tied head is last in
-    # forward, first in backward), so FSDP2 keeps them unsharded after forward regardless.
+    # The root follows the stage too (an explicit bool turns off FSDP2's keep-the-root-unsharded
+    # heuristic): under ZeRO-3 the embedding/tied head is gathered again for backward, which
+    # costs one all-gather of it per step and keeps the stage's memory at 16 Psi / N.
     fully_shard(model, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model
 

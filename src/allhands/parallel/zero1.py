@@ -46,6 +46,11 @@ def optimizer_for_checkpoint(optimizer: torch.optim.Optimizer) -> torch.optim.Op
     ``_local_view``), else the optimizer itself."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
+    # ZeRO copies its global groups' hyper-parameters into the local optimizer only at the start
+    # of step(), so after scheduler.step() the local learning rate is one step stale; a
+    # replicated optimizer would save the new one. Copy it now, before DCP reads it.
+    for glob, loc in zip(optimizer.param_groups, optimizer.optim.param_groups):
+        loc.update({k: v for k, v in glob.items() if k != "params"})
     view = getattr(optimizer, "_allhands_checkpoint_view", None)
     if view is None:
         view = optimizer._allhands_checkpoint_view = _local_view(optimizer)
