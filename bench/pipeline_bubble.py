@@ -3,7 +3,8 @@
 1. Bubble. The reference GPT cut into p=2 stages (``allhands.parallel.pipeline``), the 1F1B and
    GPipe schedules over m = 2, 4, 8 microbatches of a fixed size. Each stage's busy time is the
    time spent inside its ``forward_one_chunk`` / ``backward_one_chunk`` calls (compute only; the
-   schedule waits for activations and gradients outside them); idle = step wall time - busy.
+   schedule waits for activations and gradients outside them); idle = step wall time - busy,
+   where a step runs from a barrier of both stages to the next one after the schedule returns.
    The bubble formula (GPipe paper, Huang et al. 2019; Narayanan et al. 2021 for 1F1B) says the
    idle time is (p-1)/m of the ideal (busy) time, so the figure per stage is
    ``(idle / busy) / ((p-1)/m)``, idle/busy taken per step and its median over the steps: 1.0 means the bubble is exactly what theory predicts; more
@@ -80,11 +81,14 @@ def bubble(mesh, steps: int) -> dict:
                 busy[0] = 0.0
                 t0 = time.perf_counter()
                 pipe.step(x, x)
-                for mod in pipe.modules:
-                    mod.zero_grad(set_to_none=True)
+                # the step ends when the last stage is done: without this the last stage's
+                # clock would stop before the first stage's final backward, hiding that bubble
+                torch.distributed.barrier(group=pp_mesh.get_group())
                 if i >= 2:
                     walls.append(time.perf_counter() - t0)
                     busies.append(busy[0])
+                for mod in pipe.modules:
+                    mod.zero_grad(set_to_none=True)
             # per step, median over steps: one step slowed by another process on this shared
             # machine must not decide the figure
             out[f"{schedule}/{m}"] = statistics.median((w - b) / b for w, b in zip(walls, busies))
