@@ -24,6 +24,7 @@ test: setup
 bench: setup
 	$(PY) bench/overhead.py
 	$(PY) bench/scaling.py
+	$(PY) bench/pipeline_bubble.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

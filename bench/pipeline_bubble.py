@@ -3,10 +3,11 @@
 1. Bubble. The reference GPT cut into p=2 stages (``allhands.parallel.pipeline``), the 1F1B and
    GPipe schedules over m = 2, 4, 8 microbatches of a fixed size. Each stage's busy time is the
    time spent inside its ``forward_one_chunk`` / ``backward_one_chunk`` calls (compute only; the
-   schedule waits for activations and gradients outside them); idle = step wall time - busy.
+   schedule waits for activations and gradients outside them); idle = step wall time - busy,
+   where a step runs from a barrier of both stages to the next one after the schedule returns.
    The bubble formula (GPipe paper, Huang et al. 2019; Narayanan et al. 2021 for 1F1B) says the
    idle time is (p-1)/m of the ideal (busy) time, so the figure per stage is
-   ``(idle / busy) / ((p-1)/m)``: 1.0 means the bubble is exactly what theory predicts; more
+   ``(idle / busy) / ((p-1)/m)``, idle/busy taken per step and its median over the steps: 1.0 means the bubble is exactly what theory predicts; more
    means extra idle time (p2p transfers, unequal stages: the first stage holds the embedding,
    the last the head and the loss).
 
@@ -80,12 +81,17 @@ def bubble(mesh, steps: int) -> dict:
                 busy[0] = 0.0
                 t0 = time.perf_counter()
                 pipe.step(x, x)
-                for mod in pipe.modules:
-                    mod.zero_grad(set_to_none=True)
+                # the step ends when the last stage is done: without this the last stage's
+                # clock would stop before the first stage's final backward, hiding that bubble
+                torch.distributed.barrier(group=pp_mesh.get_group())
                 if i >= 2:
                     walls.append(time.perf_counter() - t0)
                     busies.append(busy[0])
-            out[f"{schedule}/{m}"] = {"wall": sum(walls), "busy": sum(busies)}
+                for mod in pipe.modules:
+                    mod.zero_grad(set_to_none=True)
+            # per step, median over steps: one step slowed by another process on this shared
+            # machine must not decide the figure
+            out[f"{schedule}/{m}"] = statistics.median((w - b) / b for w, b in zip(walls, busies))
     return out
 
 
@@ -163,8 +169,7 @@ def main() -> None:
         theory = (p - 1) / int(m)
         cells = []
         for stage, per_rank in enumerate(res["bubble"]):
-            b = per_rank[key]
-            idle = (b["wall"] - b["busy"]) / b["busy"]
+            idle = per_rank[key]
             cells.append(f"s{stage}: {idle:.3f} -> {idle / theory:.2f}")
         print(f"{schedule:8s} {m:>2s}  {theory:.3f}   " + "   ".join(cells))
     lay = {k: statistics.median(v) for k, v in res["layouts"].items()}

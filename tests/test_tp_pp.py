@@ -49,6 +49,8 @@ LAYOUTS = {
                           "parallel.zero=3"]),
     "pp2xdp_shard2": (4, ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.dp_shard=2",
                           "parallel.zero=2"]),
+    # replicated stages: composable replicate, since DDP fails under the schedule
+    "pp2xdp_replicate2": (4, ["parallel.pp=2", "parallel.dp_replicate=2"]),
 }
 
 
@@ -199,6 +201,8 @@ INVALID = [
      r"\(data-parallel ranks x run.micro_batches\) = 12 / \(1 x 1\) = 12"),
     (4, ["parallel.pp=4", "parallel.dp_replicate=1", "model.n_layer=4", "parallel.pp_microbatches=2",
          "model.tie_embeddings=false"], r"^parallel.pp_microbatches: 1f1b needs at least parallel.pp=4"),
+    (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1", "parallel.zero=1"],
+     r"^parallel.zero: 1 \(ZeroRedundancyOptimizer over DDP\) does not run under pipeline stages"),
     (2, ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.pp_split=blocks.1,blocks.2"],
      r"^parallel.pp_split: 2 stages need 1 comma-separated split points, got 2"),
     (1, ["parallel.pp_schedule=zb"], r"^parallel.pp_schedule: 'zb' is not allowed; allowed: gpipe, 1f1b"),

@@ -44,7 +44,7 @@ class ModelConfig:
     vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
     dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
     bias: bool = _f(True, "use bias in linear layers and layer norms")
-    tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2); kept across pipeline stages")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2), also across pp stages")
 
 
 @dataclass
@@ -90,11 +90,11 @@ class ParallelConfig:
     ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
     reduce_dtype: str = _f("fp32", "gradient reduction dtype under zero 2/3 with run.precision=bf16: fp32 or bf16")
     # tensor and pipeline parallelism (parallel/tensor.py, parallel/pipeline.py)
-    tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti et al. 2022)")
+    tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti 2022)")
     pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved1f1b")
     pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
     pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
-    pp_split: str = _f("", "comma-separated FQNs of the units that begin stages 1..; empty = the model's own split")
+    pp_split: str = _f("", "comma-separated FQNs of the units beginning stages 1..; empty = the model's own")
 
 
 @dataclass
@@ -438,6 +438,9 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.seq_len={m.seq_len}, which sequence "
                               f"parallelism shards; change one or set parallel.tp_sequence_parallel=false")
     v = pp_stages_per_rank(p)
+    if pp > 1 and p.zero == 1:
+        raise ConfigError(f"parallel.zero: 1 (ZeroRedundancyOptimizer over DDP) does not run under "
+                          f"pipeline stages; with parallel.pp={pp} use parallel.zero=2 or 3, or 0")
     if pp == 1:
         if p.pp_schedule == "interleaved1f1b" and p.pp_stages_per_rank > 1:
             raise ConfigError("parallel.pp_stages_per_rank: several stages per rank need parallel.pp > 1")

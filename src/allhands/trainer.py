@@ -188,7 +188,8 @@ class Trainer:
                         reduce_dtype=(torch.float32 if p.reduce_dtype == "fp32" else torch.bfloat16)
                         if fsdp_mp else None,
                         replicate=not self.strategy.reconciles_replicas,
-                        sequence_parallel=p.tp_sequence_parallel, tp_plan=job.tp_plan), mesh)
+                        sequence_parallel=p.tp_sequence_parallel, tp_plan=job.tp_plan,
+                        pipeline_stage=self.pipeline is not None), mesh)
             for part in parts]
         self.parts = parts  # parallelized in place: their parameters are the trained ones
         if self.pipeline is not None:

@@ -18,3 +18,14 @@ def apply_ddp(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0, over: st
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, process_group=mesh.group(over),
                bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+
+def apply_replicate(model: nn.Module, mesh: Mesh, *, over: str = "dp") -> nn.Module:
+    """Replicated data parallelism for a pipeline stage: torch's composable ``replicate`` (built
+    on FSDP2), which ``torch.distributed.pipelining`` drives across microbatches. DDP itself
+    cannot be: its bucket rebuild sees every parameter once per microbatch and fails an internal
+    assertion in the second step (torch 2.13, measured). Parameters become replicated DTensors
+    over ``over``; gradients are all-reduced once per schedule step."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(model, mesh=mesh.submesh(over))

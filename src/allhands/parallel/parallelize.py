@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from allhands.mesh import Mesh
 from allhands.parallel.ac import apply_ac
-from allhands.parallel.ddp import apply_ddp
+from allhands.parallel.ddp import apply_ddp, apply_replicate
 from allhands.parallel.fsdp import apply_fsdp
 from allhands.parallel.tensor import PlanFn, TPPlan, apply_tp
 
@@ -39,7 +39,7 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | None
 def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none",
                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                 bucket_mb: float = 25.0, replicate: bool = True, sequence_parallel: bool = True,
-                tp_plan: TPPlan | PlanFn | None = None) -> nn.Module:
+                tp_plan: TPPlan | PlanFn | None = None, pipeline_stage: bool = False) -> nn.Module:
     """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order and
     return the module the loop runs forward/backward on.
 
@@ -49,7 +49,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     replicas every step here (DDP's all-reduce, FSDP's hybrid all-reduce); a sync strategy that
     reconciles replicas itself (DiLoCo) passes False and only dp_shard is covered here.
     ``sequence_parallel``/``tp_plan``: tensor parallelism over ``tp`` (see tensor.py; the plan
-    defaults to the model's ``tp_plan`` method). Under pp, ``model`` is one pipeline stage.
+    defaults to the model's ``tp_plan`` method). ``pipeline_stage``: ``model`` is one pipeline
+    stage, replicated with composable ``replicate`` instead of DDP (see ddp.py).
     """
     if mesh.size("tp") > 1:
         apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
@@ -59,10 +60,13 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
             raise ValueError("parallel.ac needs a model with an nn.ModuleList of blocks")
         apply_ac(model, blocks=blocks, mode=ac)
     if zero >= 2:
-        return apply_fsdp(model, mesh, blocks=list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ()), reshard_after_forward=zero == 3,
+        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ())
+        return apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,
                           hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ranks = mesh.dp_size if replicate else mesh.size("dp_shard")
     if ranks > 1:
+        if pipeline_stage:
+            return apply_replicate(model, mesh, over="dp" if replicate else "dp_shard")
         return apply_ddp(model, mesh, bucket_mb=bucket_mb, over="dp" if replicate else "dp_shard")
     return model
 
