@@ -127,9 +127,11 @@ def worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> None:
     mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
                       backend="gloo", dp_replicate=1, pp=2, timeout_s=120)
     result = {"bubble": bubble(mesh, steps), "layouts": {k: [] for k in LAYOUTS}}
-    rank_bubbles = [None] * env.world_size
-    torch.distributed.all_gather_object(rank_bubbles, result["bubble"])
-    result["bubble"] = rank_bubbles
+    # Each rank's figures through the shared filesystem as JSON (no unpickling of peer data).
+    Path(out, f"bubble.rank{env.rank}.json").write_text(json.dumps(result["bubble"]))
+    torch.distributed.barrier()
+    result["bubble"] = [json.loads(Path(out, f"bubble.rank{r}.json").read_text())
+                        for r in range(env.world_size)]
     for r in range(rounds):
         for name, extra in LAYOUTS.items():
             run_dir = Path(out, f"{name}-{r}")

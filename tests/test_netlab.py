@@ -90,7 +90,7 @@ def test_two_lab_hosts_train_like_one_process(token_dir, tmp_path, cli_env):
     reference (fp32, relative difference <= 1e-5); bytes on eth0 match the meters' count."""
     run_dir = tmp_path / "run"
     sets = [*TINY, f"data.path={token_dir}", f"run.dir={run_dir}", "run.check_sync=true"]
-    env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret", OMP_NUM_THREADS="1")
+    env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret-" + "x" * 16, OMP_NUM_THREADS="1")
     # An in-process single-node job earlier in this pytest process set GLOO_SOCKET_IFNAME=lo;
     # here the launcher must pick the lab interface from --local-addr.
     env.pop("GLOO_SOCKET_IFNAME", None)
