@@ -113,13 +113,19 @@ def test_rounds_match_simulated_replicas(token_dir, tmp_path, mode, warmup):
     assert recs[4]["comm_wire_bytes"] == pytest.approx(size / 2 * 2 * (2 - 1) / 2)
 
 
-def test_diloco_h1_with_sgd_inside_is_synchronous_sgd(token_dir, tmp_path):
+@pytest.mark.parametrize("nproc,layout", [
+    (3, []),
+    # DDP inside each of 2 replicas (dp_shard=2), the outer sync across them over dp_replicate
+    (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+])
+def test_diloco_h1_with_sgd_inside_is_synchronous_sgd(token_dir, tmp_path, nproc, layout):
     # Delta_r = lr g_r, anchor - 1 x mean(Delta_r) = theta - lr mean(g_r): one synchronous SGD
     # step, exactly, when nothing non-linear acts per replica (no clipping; SGD is linear).
     cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=diloco", "sync.inner_steps=1",
                       "sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.outer_nesterov=false",
-                      "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0", "run.check_sync=true")
-    done = train_job(cfg, LaunchSpec(nproc=3))
+                      "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0", "run.check_sync=true",
+                      *layout)
+    done = train_job(cfg, LaunchSpec(nproc=nproc))
     ref = reference_params(done)  # plain single-process SGD on whole global batches
     got = trained_params(done)
     diff = max_rel_diff(got, ref)
