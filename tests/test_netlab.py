@@ -5,11 +5,9 @@ with the parameters of the single-process reference (issue 5)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

@@ -46,16 +46,23 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
 
 
-@pytest.mark.parametrize("nproc,micro", [(2, 1), (2, 2), (3, 1), (3, 2)])
-def test_data_parallel_matches_single_process(token_dir, tmp_path, nproc, micro):
-    cfg = tiny_config(token_dir, tmp_path / "run", f"run.micro_batches={micro}", "run.check_sync=true")
-    done = train_job(cfg, LaunchSpec(nproc=nproc))
+def assert_matches_reference(done, label: str, tol: float = 1e-5) -> dict[str, torch.Tensor]:
+    """The trained parameters of the finished job ``done`` (its last checkpoint, resharded into
+    one plain module) equal the single-process reference's within ``tol`` (relative), and the
+    model really moved: parity is not two copies of the initialisation. Returns them."""
     ref = reference_params(done)
     got = trained_params(done)
     assert set(got) == set(ref)
     diff = max_rel_diff(got, ref)
-    assert diff <= 1e-5, f"{nproc} workers x {micro} micro-batches: relative difference {diff:.2e}"
-    # The trained model really moved: parity is not two copies of the initialisation.
+    assert diff <= tol, f"{label}: relative difference {diff:.2e}"
     torch.manual_seed(done.run.seed)
     init = build_reference_model(done, 257).state_dict()
-    assert max_rel_diff(got, init) > 1e-3
+    assert max_rel_diff(got, init) > 1e-3, f"{label}: the model did not train"
+    return got
+
+
+@pytest.mark.parametrize("nproc,micro", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_data_parallel_matches_single_process(token_dir, tmp_path, nproc, micro):
+    cfg = tiny_config(token_dir, tmp_path / "run", f"run.micro_batches={micro}", "run.check_sync=true")
+    done = train_job(cfg, LaunchSpec(nproc=nproc))
+    assert_matches_reference(done, f"{nproc} workers x {micro} micro-batches")

@@ -12,8 +12,6 @@ import stat
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from conftest import ROOT
 
 SBATCH = ROOT / "examples" / "slurm" / "allhands.sbatch"
