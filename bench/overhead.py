@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from common import TIMING_ONLY  # noqa: E402  (bench/ is sys.path[0])
+
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.seq_len=128"]
 
 
@@ -105,9 +107,7 @@ def main() -> None:
 
     out = tempfile.mkdtemp(prefix="allhands-bench-overhead-")
     cfg = load_config(overrides=[*MODEL, f"run.steps={args.steps}", "run.global_batch=32",
-                                 "run.eval_interval=0", "data.eval_batches=0", "checkpoint.interval=0",
-                                 "checkpoint.at_end=false", "log.progress=false",
-                                 "log.tensorboard=false", f"run.dir={out}/resolve"])
+                                 *TIMING_ONLY, f"run.dir={out}/resolve"])
     cfg = resolve_run(cfg, resume=None, world_size=2)
     launch(worker, (cfg.to_dict(), args.rounds, args.steps, out), LaunchSpec(nproc=2))
     res = json.loads(Path(out, "result.json").read_text())

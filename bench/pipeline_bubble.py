@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from common import TIMING_ONLY  # noqa: E402  (bench/ is sys.path[0])
+
 MODEL = dict(n_layer=4, n_head=4, n_embd=192, seq_len=128)
 MICRO = 4  # samples per pipeline microbatch in the bubble part
 LAYOUTS = {
@@ -156,9 +158,7 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="allhands-bench-pipeline-")
     model = [f"model.{k}={v}" for k, v in MODEL.items()]
     cfg = load_config(overrides=[*model, f"run.steps={args.steps}", "run.global_batch=16",
-                                 "run.eval_interval=0", "data.eval_batches=0", "checkpoint.interval=0",
-                                 "checkpoint.at_end=false", "log.progress=false",
-                                 "log.tensorboard=false", f"run.dir={out}/resolve", "run.threads=1"])
+                                 *TIMING_ONLY, f"run.dir={out}/resolve", "run.threads=1"])
     cfg = resolve_run(cfg, resume=None, world_size=2)
     launch(worker, (cfg.to_dict(), args.rounds, args.steps, out), LaunchSpec(nproc=2), threads=1)
     res = json.loads(Path(out, "result.json").read_text())

@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from common import TIMING_ONLY  # noqa: E402  (bench/ is sys.path[0])
+
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.seq_len=128"]
 PER_RANK_BATCH = 16
 
@@ -46,10 +48,7 @@ def main() -> None:
         for n in (1, 2):
             gb = PER_RANK_BATCH * n
             cfg = load_config(overrides=[*MODEL, f"run.steps={args.steps}", f"run.global_batch={gb}",
-                                         "run.eval_interval=0", "data.eval_batches=0",
-                                         "checkpoint.interval=0", "checkpoint.at_end=false",
-                                         "log.progress=false", "log.tensorboard=false",
-                                         f"run.dir={out}/r{r}-n{n}"])
+                                         *TIMING_ONLY, f"run.dir={out}/r{r}-n{n}"])
             done = train_job(cfg, LaunchSpec(nproc=n))
             rates[n].append(samples_per_s(Path(done.run.dir), gb))
     one, two = statistics.median(rates[1]), statistics.median(rates[2])
