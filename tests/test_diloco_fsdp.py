@@ -19,13 +19,12 @@ from allhands.launch import LaunchSpec, train_job
 
 from conftest import tiny_config
 from test_lowcomm import n_params, step_records
-from test_parity import assert_matches_reference, trained_params
+from test_parity import assert_matches_reference, max_rel_diff, trained_params
 
 FSDP_2x2 = ["parallel.dp_replicate=2", "parallel.dp_shard=2"]
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_diloco_h1_with_fsdp_inside_is_synchronous_sgd(token_dir, tmp_path, zero):
+def test_diloco_h1_with_fsdp_inside_is_synchronous_sgd(token_dir, tmp_path, zero=3):
     # Inside a replica FSDP's reduce-scatter averages the gradient over its 2 ranks, SGD steps
     # each shard; the outer round (H=1, outer SGD lr 1, no momentum) averages the 2 replicas'
     # shard deltas: one SGD step on the mean gradient of all 4 ranks, i.e. of the global batch.
@@ -126,6 +125,20 @@ def test_diloco_with_fsdp_resume_is_exact(token_dir, tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
     assert [s for s, _ in committed(cut / "checkpoints")] == [2, 4]
+    # Resumed on another layout, 2 replicas of one rank each (no sharding): DCP reshards the
+    # FSDP model, the DTensor anchor and momentum and each replica's inner AdamW moments into
+    # plain tensors. Each replica still sees its half of every global batch, so the second round
+    # is the same computation up to the rounding of FSDP's in-replica gradient mean.
+    moved = tmp_path / "moved"
+    shutil.copytree(full, moved)
+    shutil.rmtree(moved / "checkpoints" / "step-00000004")
+    other = tiny_config(token_dir, moved, "parallel.sync=diloco", "sync.inner_steps=2",
+                        "run.steps=4", "checkpoint.interval=2", "checkpoint.keep_last=5",
+                        "parallel.dp_replicate=2", "parallel.dp_shard=1")
+    train_job(other, LaunchSpec(nproc=2), resume=str(moved))
+    done.run.dir = str(moved)
+    diff = max_rel_diff(trained_params(done), a)
+    assert diff <= 1e-5, f"resumed as 2 x 1 without FSDP: relative difference {diff:.2e}"
 
 
 def test_powersgd_resume_is_exact(token_dir, tmp_path):
@@ -155,3 +168,29 @@ def test_powersgd_resume_is_exact(token_dir, tmp_path):
     b = trained_params(done)
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume with PowerSGD"
+
+
+def test_diloco_layout_config_errors(token_dir, tmp_path):
+    # What parallel.zero means under diloco/local_sgd/auto: 0 DDP and 2/3 FSDP over dp_shard
+    # inside a replica; ZeRO-1 and tp/pp are refused naming the field and the fix.
+    def cfg(*extra):
+        return tiny_config(token_dir, tmp_path / "r", "parallel.sync=diloco", "sync.inner_steps=1",
+                           *extra)
+
+    for zero in (0, 2, 3):
+        validate(cfg(f"parallel.zero={zero}", *FSDP_2x2), world_size=4)
+    validate(tiny_config(token_dir, tmp_path / "r", "parallel.sync=local_sgd", "sync.inner_steps=1",
+                         "parallel.zero=2", *FSDP_2x2), world_size=4)
+    with pytest.raises(ConfigError, match=r"^parallel.zero: 1 \(ZeroRedundancyOptimizer\) is not supported "
+                                          r"with parallel.sync=diloco; use parallel.zero=2"):
+        validate(cfg("parallel.zero=1", *FSDP_2x2), world_size=4)
+    with pytest.raises(ConfigError, match=r"^parallel.tp: 2 is not supported with parallel.sync=diloco; "
+                                          r"set parallel.tp=1"):
+        validate(cfg("parallel.zero=2", "parallel.tp=2", "parallel.dp_replicate=2"), world_size=4)
+    with pytest.raises(ConfigError, match=r"^parallel.pp: 2 is not supported"):
+        validate(cfg("parallel.pp=2", "parallel.dp_replicate=2"), world_size=4)
+    # FSDP inside a replica needs something to shard over
+    with pytest.raises(ConfigError, match=r"^parallel.zero: 2 shards over parallel.dp_shard, which is 1"):
+        validate(cfg("parallel.zero=2", "parallel.dp_replicate=2"), world_size=2)
+    with pytest.raises(ConfigError, match=r"^sync.compress: "):
+        validate(cfg("parallel.zero=2", "sync.compress=powersgd", *FSDP_2x2), world_size=4)
