@@ -155,10 +155,9 @@ def test_powersgd_resume_is_exact(token_dir, tmp_path):
                       "checkpoint.keep_last=5")
     done = train_job(cfg, LaunchSpec(nproc=2))
     saved = SafeFileSystemReader(full / "checkpoints" / "step-00000003").read_metadata().state_dict_metadata
-    for rank in (0, 1):
-        assert f"sync.powersgd.error.rank{rank}.blocks.0.attn.qkv.weight" in saved or any(
-            k.startswith(f"sync.powersgd.error.rank{rank}.") for k in saved)
-    assert any(k.startswith("sync.powersgd.q.") for k in saved)
+    for rank in (0, 1):  # one residual per rank, one Q for all
+        assert any(k.startswith(f"sync.powersgd.error.rank{rank}.") for k in saved)
+    assert any(k.startswith("sync.powersgd.q_r2.") for k in saved)
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step-00000006")

@@ -17,9 +17,12 @@ parameter's shape, Q as (m, r) for the parameter viewed as an n x m matrix), whi
 independent of the bucket layout and of the number of buckets: per element, PowerSGD's
 arithmetic does not depend on which bucket a parameter sits in, so the resume is bit-exact.
 
-Keys under ``sync.powersgd``: ``q.<fqn>`` and the scalars once for all ranks (DCP keeps one
-copy of identical keys); ``error.rank<R>.<fqn>`` per rank of the DDP group. A rank that did not
-exist when the checkpoint was saved starts with a zero residual; all ranks load the same Q.
+Keys under ``sync.powersgd``: ``q_r<r>.<fqn>`` (r = the approximation rank, which sets Q's
+shape) and the scalars once for all ranks (DCP keeps one copy of identical keys);
+``error.rank<R>.<fqn>`` per rank of the DDP group. A rank that did not exist when the checkpoint
+was saved starts with a zero residual; all ranks load the same Q, or, after a change of
+``sync.powersgd_rank``, all draw a new one from the restored RNG (the residuals, gradient-shaped,
+still apply).
 """
 
 from __future__ import annotations
@@ -143,8 +146,8 @@ class PowerSGDMemory:
             out = {k: v for k, v in out.items() if k in have}
             out["error"] = {mine: {k: torch.zeros_like(p) for k, p in self.params.items()
                                    if f"error.{mine}.{k}" in have}}
-            out["q"] = {k: torch.zeros(_q_shape(p.shape, st), dtype=p.dtype, device=p.device)
-                        for k, p in self.params.items() if f"q.{k}" in have}
+            out[self._q_key()] = {k: torch.zeros(_q_shape(p.shape, st), dtype=p.dtype, device=p.device)
+                                  for k, p in self.params.items() if f"{self._q_key()}.{k}" in have}
             return out
         error, q = {}, {}
         for idx, (entries, qlay, _) in self.layouts.items():
@@ -158,7 +161,7 @@ class PowerSGDMemory:
             error.setdefault(name, t)
         for name, t in self._pending_q.items():
             q.setdefault(name, t)
-        out["error"], out["q"] = {mine: error}, q
+        out["error"], out[self._q_key()] = {mine: error}, q
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -177,7 +180,10 @@ class PowerSGDMemory:
         st.p_memory_dict.clear()
         st.q_memory_dict.clear()
         self._pending_error = dict(sd.get("error", {}).get(f"rank{self.rank}", {}))
-        self._pending_q = dict(sd.get("q", {}))
+        self._pending_q = dict(sd.get(self._q_key(), {}))
+
+    def _q_key(self) -> str:
+        return f"q_r{self.state.matrix_approximation_rank}"
 
 
 def _q_shape(shape: torch.Size | tuple, state: psgd.PowerSGDState) -> tuple[int, int] | None:
