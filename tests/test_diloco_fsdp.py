@@ -87,10 +87,12 @@ def test_local_sgd_with_fsdp_leaves_replicas_identical_after_each_sync(token_dir
     from allhands.launch import launch, resolve_run
     from test_lowcomm import simulate_rounds
 
-    # AdamW inside, H=2 and a short last round (steps=5): the replicas drift apart between
+    # AdamW inside, one synchronous warm-up step (gradients averaged over the replicas' FSDP
+    # shards), then H=2 and a short last round (steps=5): the replicas drift apart between
     # syncs (the check sees it) and hold bit-identical full parameters after each one.
     cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=local_sgd", "sync.inner_steps=2",
-                      "run.steps=5", "parallel.zero=2", "run.threads=1", *FSDP_2x2)
+                      "sync.sync_warmup_steps=1", "run.steps=5", "parallel.zero=2", "run.threads=1",
+                      *FSDP_2x2)
     cfg = resolve_run(cfg, resume=None, world_size=4)
     out = tmp_path / "out"
     out.mkdir()
@@ -98,7 +100,7 @@ def test_local_sgd_with_fsdp_leaves_replicas_identical_after_each_sync(token_dir
     for rank in range(4):
         seen = json.loads((out / f"rank{rank}.json").read_text())
         assert [s["step"] for s in seen] == [1, 2, 3, 4, 5]
-        assert [s["in_sync"] for s in seen] == [False, True, False, True, True]
+        assert [s["in_sync"] for s in seen] == [True, True, False, True, True]
         assert all(s["identical"] == s["in_sync"] for s in seen), seen
     # The rounds are local SGD's: the averaged replicas equal an in-process simulation of two
     # replicas, each training on its half of every global batch.

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -103,6 +102,7 @@ class DiLoCoSync(SyncStrategy):
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.SGD | None = None
         self.inner: torch.optim.Optimizer | None = None
+        self._load_inner = True  # see saved_keys
 
     def describe(self) -> str:
         how = ("model averaging" if self.average else
@@ -252,12 +252,12 @@ class DiLoCoSync(SyncStrategy):
         return f"replica{dist.get_rank(self.group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"anchor": {k: _like(a, p) for k, a, p in zip(self.names, self.anchor, self.params)},
+        named = list(zip(self.names, self.anchor, self.params))
+        state: dict[str, Any] = {"anchor": {k: _like(a, p) for k, a, p in named},
                                  "step": torch.tensor(self.step)}
         if self.outer is not None and self.momentum > 0:
-            state["momentum"] = {k: _like(self.outer.state[a]["momentum_buffer"], p)
-                                 for k, a, p in zip(self.names, self.anchor, self.params)}
-        inner = self._inner_state() if getattr(self, "_load_inner", True) else {}
+            state["momentum"] = {k: _like(self.outer.state[a]["momentum_buffer"], p) for k, a, p in named}
+        inner = self._inner_state() if self._load_inner else {}
         if inner:
             state["inner"] = {self._replica_key(): inner}
         return state
