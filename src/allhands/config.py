@@ -505,10 +505,19 @@ def _validate_sync(cfg: Config) -> None:
            "allowed: none, fp16, bf16, int8", s.outer_compress)
     _check(s.sync_warmup_steps >= 0, "sync.sync_warmup_steps", "must be >= 0", s.sync_warmup_steps)
     _check(s.auto_max_comm_s > 0, "sync.auto_max_comm_s", "must be > 0", s.auto_max_comm_s)
-    if p.sync in ("diloco", "local_sgd", "auto") and (p.pp != 1 or p.tp != 1 or p.zero != 0):
-        raise ConfigError(f"parallel.sync: {p.sync} reconciles plain replicated parameters; it runs with "
-                          f"parallel.pp=1, tp=1 and zero=0 (DDP inside a replica: dp_shard > 1), got "
-                          f"pp={p.pp}, tp={p.tp}, zero={p.zero}")
+    if p.sync in ("diloco", "local_sgd", "auto"):
+        # Inside a replica: DDP (zero 0) or FSDP over dp_shard (zero 2/3); the outer sync runs on
+        # each rank's shard. ZeRO-1's optimizer-state partition is not reconciled per replica, and
+        # tp/pp shards would need the outer sync per model-parallel coordinate: not built.
+        for dim in ("pp", "tp"):
+            if getattr(p, dim) != 1:
+                raise ConfigError(f"parallel.{dim}: {getattr(p, dim)} is not supported with parallel.sync="
+                                  f"{p.sync}; set parallel.{dim}=1 (inside a replica use parallel.zero=2 "
+                                  f"or 3 to shard over dp_shard) or parallel.sync=allreduce")
+        if p.zero == 1:
+            raise ConfigError(f"parallel.zero: 1 (ZeroRedundancyOptimizer) is not supported with "
+                              f"parallel.sync={p.sync}; use parallel.zero=2 (FSDP over dp_shard: "
+                              f"optimizer state and gradients sharded) or 3 (parameters too), or 0 (DDP)")
     if s.compress != "none" and p.zero >= 2:
         raise ConfigError(f"sync.compress: {s.compress} is a DDP communication hook; parallel.zero={p.zero} "
                           f"runs FSDP, which takes none; use parallel.zero 0 or 1, or sync.compress=none")

@@ -240,6 +240,7 @@ class Trainer:
             check_compatible(path, self.cfg.to_dict())
             state = self.state()
             keys = self.ckpt.saved_keys(path)
+            self.strategy.saved_keys(keys)  # before DCP asks it for its state_dict
             if not any(k.startswith(f"rng.{self.rng_state.key}.") for k in keys):
                 # A rank that did not exist when this was saved (resume on more workers): its
                 # generators are re-seeded from (seed, rank, step), reproducibly.

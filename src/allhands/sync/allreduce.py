@@ -15,7 +15,8 @@ Compression (``sync.compress``, DDP layouts: parallel.zero 0 or 1):
   the buffer is divided by N before the cast so the sum cannot overflow);
 - ``powersgd``: torch's ``powerSGD_hook`` (Vogels et al. 2019, arXiv:1905.13727): rank-r
   factors P (n x r) and Q (m x r) per matrix instead of the n x m gradient, with error feedback
-  (the compression residual is added to the next step's gradient) and warm-started Q.
+  (the compression residual is added to the next step's gradient) and warm-started Q; its
+  memory is checkpointed under ``sync.powersgd`` (sync/powersgd.py), so a resume is exact.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from allhands.mesh import Mesh
 from allhands.sync.base import SyncStrategy
 from allhands.sync.comm import CommMeter
+from allhands.sync.powersgd import PowerSGDMemory
 
 COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
 
@@ -85,7 +87,7 @@ class AllReduceSync(SyncStrategy):
         self.compress = compress
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_step = powersgd_start_step
-        self.powersgd: psgd.PowerSGDState | None = None
+        self.powersgd: PowerSGDMemory | None = None
 
     def describe(self) -> str:
         extra = f" rank {self.powersgd_rank}" if self.compress == "powersgd" else ""
@@ -103,11 +105,11 @@ class AllReduceSync(SyncStrategy):
         if self.compress == "powersgd":
             # min_compression_rate=2 (torch's default) leaves vectors and near-square small
             # matrices uncompressed, where P and Q would not be smaller than the gradient.
-            self.powersgd = psgd.PowerSGDState(
+            self.powersgd = PowerSGDMemory(psgd.PowerSGDState(
                 process_group=group, matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=self.powersgd_start_step, use_error_feedback=True,
-                warm_start=True, random_seed=0)
-            state, hook, payload = self.powersgd, psgd.powerSGD_hook, _powersgd_bytes
+                warm_start=True, random_seed=0), model.module)
+            state, hook, payload = self.powersgd.state, self.powersgd.hook, _powersgd_bytes
         elif self.compress in ("fp16", "bf16"):
             hook = default_hooks.fp16_compress_hook if self.compress == "fp16" else default_hooks.bf16_compress_hook
             state, payload = group, _bucket_bytes(2)
@@ -123,10 +125,12 @@ class AllReduceSync(SyncStrategy):
         self.comm.close_step()
 
     def state_dict(self) -> dict[str, Any]:
-        if self.powersgd is None:
-            return {}
-        return {"powersgd_iter": torch.tensor(self.powersgd.iter)}
+        return {} if self.powersgd is None else {"powersgd": self.powersgd.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.powersgd is not None and "powersgd_iter" in state:
-            self.powersgd.iter = int(state["powersgd_iter"])
+        if self.powersgd is not None and "powersgd" in state:
+            self.powersgd.load_state_dict(state["powersgd"])
+
+    def saved_keys(self, keys: set[str]) -> None:
+        if self.powersgd is not None:
+            self.powersgd.saved_keys(keys)

@@ -64,3 +64,8 @@ class SyncStrategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def saved_keys(self, keys: set[str]) -> None:
+        """Called before a load with the checkpoint's flattened keys (``sync.…`` among them), so
+        that the next ``state_dict`` asks only for entries the checkpoint has: per-rank or
+        per-replica state of a rank or replica that did not exist when it was saved."""

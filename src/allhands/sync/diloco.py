@@ -9,7 +9,16 @@ is the special case "anchor minus the averaged Delta", i.e. the mean of the repl
 
 Inner steps are local: the model is not wrapped in DDP across ``dp_replicate``; so the bytes
 per step are 1/H of synchronous data parallelism. With plain SGD inside, H=1 and an outer SGD
-with lr 1 and no momentum, one round is exactly a synchronous SGD step (tests/test_diloco.py).
+with lr 1 and no momentum, one round is exactly a synchronous SGD step (tests/test_lowcomm.py).
+
+Inside a replica the ``dp_shard`` ranks are DDP (parallel.zero 0) or FSDP2 ``fully_shard`` over
+``dp_shard`` alone (zero 2/3: the replicate dim is DiLoCo's, not HSDP's). Under FSDP every rank
+works on its local shards (``DTensor.to_local()``): rank (r, s) holds the same slice of every
+parameter as rank (r', s), so the anchor, the outer momentum and the pseudo-gradient are sharded
+like the parameters and the outer all-reduce over ``dp_replicate`` moves 1/S of the model per
+rank (1/H of what HSDP's per-step all-reduce across replicas would). The checkpoint holds the
+anchor and momentum as DTensors of the parameters' layout, so DCP reshards them when dp_shard
+changes on resume.
 
 The outer payload can be compressed: fp16/bf16 (cast after dividing by N, all-reduce), or int8
 with one fp32 scale per chunk of 2048 values (all-gather of the int8 codes, decoded and averaged
@@ -32,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allhands.mesh import Mesh
 from allhands.sync.base import SyncStrategy
@@ -42,8 +53,32 @@ INT8_CHUNK = 2048
 
 def replicate_group(mesh: Mesh) -> dist.ProcessGroup:
     """The one mesh lookup of this module: the outer sync spans the dp_replicate dimension;
-    inside a replica (dp_shard > 1) parallelize() applies DDP and the replica's ranks move alike."""
+    inside a replica (dp_shard > 1) parallelize() applies DDP (the replica's ranks move alike)
+    or FSDP over dp_shard (each rank moves its shard)."""
     return mesh.group("dp_replicate")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: an FSDP shard's local tensor (a view of FSDP's sharded
+    storage, so writing into it updates the parameter), else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's shard) as a DTensor laid out like ``param``, sharing its storage,
+    for the checkpoint: DCP then writes each shard once and reshards on load. Plain otherwise."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _fqn(name: str, model: nn.Module) -> str:
+    """A parameter's name in the plain model (the checkpoint's key, whatever the layout): without
+    DDP's ``module.`` and activation checkpointing's wrapper segment (FSDP2 renames nothing)."""
+    if isinstance(model, DDP) and name.startswith("module."):
+        name = name[len("module."):]
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 class DiLoCoSync(SyncStrategy):
@@ -67,6 +102,7 @@ class DiLoCoSync(SyncStrategy):
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.SGD | None = None
         self.inner: torch.optim.Optimizer | None = None
+        self._load_inner = True  # see saved_keys
 
     def describe(self) -> str:
         how = ("model averaging" if self.average else
@@ -79,16 +115,19 @@ class DiLoCoSync(SyncStrategy):
         self.group = replicate_group(mesh)
         self.n = self.group.size()
         named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-        self.names = [k for k, _ in named]
+        self.names = [_fqn(k, model) for k, _ in named]
         self.params = [p for _, p in named]
         with torch.no_grad():
-            # Replicas must start equal (DDP would broadcast); one broadcast at start only.
-            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            # Replicas must start equal (DDP would broadcast); one broadcast at start only, of
+            # this rank's shards: its replicate group holds the same slices.
+            shards = [_local(p) for p in self.params]
+            flat = torch.cat([t.detach().reshape(-1).float() for t in shards])
             dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-            for p, v in zip(self.params, flat.split([p.numel() for p in self.params])):
-                p.copy_(v.view_as(p))
+            for t, v in zip(shards, flat.split([t.numel() for t in shards])):
+                t.copy_(v.view_as(t))
             # fp32 anchors whatever the parameter dtype: the outer update is a small difference.
-            self.anchor = [p.detach().float().clone() for p in self.params]
+            # Plain tensors of this rank's shard: the outer optimizer is local arithmetic.
+            self.anchor = [t.detach().float().clone() for t in shards]
         if not self.average:
             self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=self.momentum,
                                          nesterov=self.nesterov and self.momentum > 0)
@@ -113,14 +152,18 @@ class DiLoCoSync(SyncStrategy):
     @contextlib.contextmanager
     def _average_gradients_after(self):
         yield  # the backward of the step's last micro-batch has run
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads]) / self.n  # (sum numel,) fp32
+        # FSDP has reduce-scattered within the replica by now: p.grad is this rank's shard.
+        for p in self.params:
+            if p.grad is None:  # unused here, maybe not on another replica: it takes part as 0
+                p.grad = _like(torch.zeros_like(_local(p)), p)
+        grads = [_local(p.grad) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) / self.n  # (sum local numel,) fp32
         t0 = time.perf_counter()
         self.comm.collective("all_reduce", flat.numel() * 4, self.n)
         dist.all_reduce(flat, group=self.group)
         self.comm.blocking(time.perf_counter() - t0)
-        for p, g in zip(self.params, flat.split([p.numel() for p in self.params])):
-            p.grad = g.view_as(p).to(p.dtype)
+        for g, avg in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(avg.view_as(g))
 
     def after_step(self, step: int) -> None:
         self.step = step
@@ -129,15 +172,15 @@ class DiLoCoSync(SyncStrategy):
         if step == self.warmup:
             with torch.no_grad():  # replicas are identical here: the rounds start from them
                 for a, p in zip(self.anchor, self.params):
-                    a.copy_(p)
+                    a.copy_(_local(p))
         elif self.in_sync(step):
             self.outer_step()
 
     @torch.no_grad()
     def outer_step(self) -> None:
         sizes = [a.numel() for a in self.anchor]
-        # Pseudo-gradient, flattened: (sum of parameter numels,) fp32.
-        delta = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(self.anchor, self.params)])
+        # Pseudo-gradient of this rank's shards, flattened: (sum of local numels,) fp32.
+        delta = torch.cat([(a - _local(p).float()).reshape(-1) for a, p in zip(self.anchor, self.params)])
         t0 = time.perf_counter()
         avg = self._average(delta)
         self.comm.blocking(time.perf_counter() - t0)
@@ -151,7 +194,7 @@ class DiLoCoSync(SyncStrategy):
             for a in self.anchor:
                 a.grad = None
         for p, a in zip(self.params, self.anchor):
-            p.copy_(a)
+            _local(p).copy_(a)
 
     def _average(self, x: torch.Tensor) -> torch.Tensor:
         """Mean of ``x`` (flat fp32) over the replicate group, through the chosen payload."""
@@ -180,10 +223,11 @@ class DiLoCoSync(SyncStrategy):
             total += c.float() * s[:, None]
         return (total / n).reshape(-1)[:numel]
 
-    # -- checkpoint: anchors and outer momentum by parameter name (identical on every replica),
-    # and each replica's inner optimizer state under its own key: the ``model`` key's optimizer
-    # state is saved once for all replicas (DCP deduplicates it), but inner AdamW moments differ
-    # per replica, and an exact resume needs each one back.
+    # -- checkpoint: anchors and outer momentum by parameter name (identical on every replica;
+    # DTensors laid out like the parameters under FSDP), and each replica's inner optimizer state
+    # under its own key: the ``model`` key's optimizer state is saved once for all replicas (DCP
+    # deduplicates it), but inner AdamW moments differ per replica, and an exact resume needs
+    # each one back.
     def _inner_state(self) -> dict[str, torch.Tensor]:
         if self.inner is None:
             return {}
@@ -199,26 +243,35 @@ class DiLoCoSync(SyncStrategy):
                     out[f"{k}.{field}"] = v.detach().clone()
         return out
 
+    def saved_keys(self, keys: set[str]) -> None:
+        # A replica that did not exist when the checkpoint was saved (resumed with more
+        # dp_replicate) starts from the inner state the ``model`` key restored, one replica's.
+        self._load_inner = any(k.startswith(f"sync.inner.{self._replica_key()}.") for k in keys)
+
+    def _replica_key(self) -> str:
+        return f"replica{dist.get_rank(self.group)}"
+
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"anchor": dict(zip(self.names, self.anchor)),
+        named = list(zip(self.names, self.anchor, self.params))
+        state: dict[str, Any] = {"anchor": {k: _like(a, p) for k, a, p in named},
                                  "step": torch.tensor(self.step)}
         if self.outer is not None and self.momentum > 0:
-            state["momentum"] = {k: self.outer.state[a]["momentum_buffer"]
-                                 for k, a in zip(self.names, self.anchor)}
-        inner = self._inner_state()
+            state["momentum"] = {k: _like(self.outer.state[a]["momentum_buffer"], p) for k, a, p in named}
+        inner = self._inner_state() if self._load_inner else {}
         if inner:
-            state["inner"] = {f"replica{dist.get_rank(self.group)}": inner}
+            state["inner"] = {self._replica_key(): inner}
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_inner = True
         for k, a in zip(self.names, self.anchor):
-            a.copy_(state["anchor"][k])
+            a.copy_(_local(state["anchor"][k]))
         self.step = int(state["step"])
         if "momentum" in state and self.outer is not None:
             for k, a in zip(self.names, self.anchor):
-                self.outer.state[a]["momentum_buffer"].copy_(state["momentum"][k])
-        mine = state.get("inner", {}).get(f"replica{dist.get_rank(self.group)}", {})
+                self.outer.state[a]["momentum_buffer"].copy_(_local(state["momentum"][k]))
+        mine = state.get("inner", {}).get(self._replica_key(), {})
         for k, p in zip(self.names, self.params):
             for field, v in self.inner.state.get(p, {}).items() if self.inner else ():
                 if f"{k}.{field}" in mine and isinstance(v, torch.Tensor):
