@@ -338,6 +338,7 @@ class Trainer:
                            device=self.mesh.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.last_action = self.guard.check(not bool(bad.item()), step + 1)
+        self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":
             self.optimizer.step()
         # Skipped or not, the batch is consumed and the schedule advances: later steps see the
