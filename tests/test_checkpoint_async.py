@@ -76,3 +76,27 @@ def test_async_save_is_the_state_at_the_save_step_while_training_goes_on(tmp_pat
     for k, v in fresh_opt.state_dict()["state"][0].items():
         assert torch.equal(v, expected_optim[k]), f"optimizer {k} is not the state at the save step"
     assert torch.equal(torch.get_rng_state(), expected_rng)
+
+
+def test_cadence_fixed_interval_and_checkfreq_rule():
+    from allhands.cadence import Cadence
+
+    fixed = Cadence(3, 0.0, start_step=4, device=torch.device("cpu"))  # resumed at step 4
+    saved = []
+    for step in range(5, 14):
+        fixed.step_done(0.1, False)
+        if fixed.due(step):
+            assert fixed.save(step, lambda: saved.append(step)) is None
+    assert saved == [6, 9, 12]
+
+    auto = Cadence(5, 0.02, start_step=0, device=torch.device("cpu"))
+    notes = []
+    for step in range(1, 31):
+        # Clean steps take 0.1 s; the two steps after a save 0.1 + 0.9525 s, i.e. one save adds
+        # 1.905 s: every 5 * ceil(1.905 / (0.02 * 0.1 * 5)) = 5 * 191 steps keeps it under 2%.
+        auto.step_done(0.1 + (0.9525 if step in (6, 7) else 0.0), step in (6, 7))
+        if auto.due(step):
+            notes.append(auto.save(step, lambda: None))
+    assert notes[0] is None  # nothing measured before the first save
+    assert auto.interval == 955 and auto.next == 10 + 955
+    assert "5 -> 955 steps" in notes[1] and "checkpoint.max_overhead 2%" in notes[1], notes[1]

@@ -286,6 +286,11 @@ class Checkpointer:
         self._staging: Any = None  # the copy to host memory of the save in flight (async)
         self._prepared = False
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is still being copied, written or committed in the background."""
+        return self._pending is not None
+
     def latest(self) -> tuple[int, Path] | None:
         found = committed(self.dir)
         return found[-1] if found else None
