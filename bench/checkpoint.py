@@ -2,11 +2,12 @@
 checkpointing every N steps.
 
 Two gloo ranks train the reference GPT with DDP + AdamW (the allhands state: model, optimizer,
-step, RNG) and save through allhands' Checkpointer. Each round runs three series of
+step, RNG) and save through allhands' Checkpointer. Each round runs four series of
 ``--blocks`` x ``--interval`` steps in the same processes: no save (baseline), an async save after
-each block (the series ends when its last write is committed), and the same with sync saves. The
-order of the three rotates from round to round, so machine noise and warm-up hit all three
-alike; figures are medians over the rounds. One save per mode before the rounds prepares the
+each block (the series ends when its last write is committed), the same with the writer thread
+at nice 0 instead of allhands' ``WRITER_NICE`` ("async0", to show what the lower priority buys),
+and sync saves. The order rotates from round to round, so machine noise and warm-up hit all
+alike; figures are medians over the rounds, overheads the median of per-round paired ratios. One save per mode before the rounds prepares the
 directories and the host buffers. Figures:
 
 - stall: wall time the training thread is blocked by a save: inside ``Checkpointer.save`` (sync:
@@ -17,7 +18,7 @@ directories and the host buffers. Figures:
   every ``--interval`` steps. Target <= 2%. Also printed: the cost of one save that this implies
   (seconds) and the interval ``checkpoint.max_overhead`` would pick from it for a 2% bound.
 
-    python bench/checkpoint.py [--rounds 6] [--interval 20] [--blocks 2] [--writer-nice 19]
+    python bench/checkpoint.py [--rounds 6] [--interval 20] [--blocks 2]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.seq_len=64"]
 
 
-def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str, nice: int) -> None:
+def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) -> None:
     import json
 
     import torch
@@ -52,7 +53,6 @@ def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str, ni
     from allhands.trainer import build_reference_model
 
     cfg = Config.from_dict(cfg_dict)
-    ckpt_mod.WRITER_NICE = nice
     env = worker_env()
     mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
                       backend="gloo", dp_replicate=-1, timeout_s=300)
@@ -83,18 +83,20 @@ def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str, ni
             opt.zero_grad(set_to_none=True)
             ts.step += 1
 
-    ckpts = {m: Checkpointer(Path(out) / m, rank=mesh.rank, keep_last=1, mode=m,
-                             group=mesh.checkpoint_group() if m == "async" else None)
-             for m in ("sync", "async")}
+    nice = {"async": ckpt_mod.WRITER_NICE, "async0": 0}
+    ckpts = {m: Checkpointer(Path(out) / m, rank=mesh.rank, keep_last=1, mode=m[:5],
+                             group=mesh.checkpoint_group() if m != "sync" else None)
+             for m in ("sync", "async", "async0")}
     steps(3)  # warm-up: optimizer state exists, so every save has the same size
     for c in ckpts.values():  # each Checkpointer's first save also prepares the directory
         c.save(ts.step, state)
         c.wait()
-    res: dict[str, list[float]] = {"base": [], "sync": [], "async": [], "stall_sync": [], "stall_async": []}
-    order = ("base", "async", "sync")
+    order = ("base", "async", "async0", "sync")
+    res: dict[str, list[float]] = {k: [] for m in order for k in (m, f"stall_{m}")}
     for r in range(rounds):
-        for mode in order[r % 3:] + order[:r % 3]:
+        for mode in order[r % 4:] + order[:r % 4]:
             ckpt = ckpts.get(mode)
+            ckpt_mod.WRITER_NICE = nice.get(mode, ckpt_mod.WRITER_NICE)  # read by each save's writer
             t0 = time.perf_counter()
             for b in range(blocks):
                 w0 = waited[0]
@@ -128,37 +130,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--interval", type=int, default=20)
     ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--writer-nice", type=int, default=None,
-                    help="niceness of the async writer thread (default: allhands' WRITER_NICE)")
     args = ap.parse_args()
 
     from allhands.checkpoint import WRITER_NICE
     from allhands.config import load_config
     from allhands.launch import LaunchSpec, launch, resolve_run
 
-    nice = WRITER_NICE if args.writer_nice is None else args.writer_nice
     out = tempfile.mkdtemp(prefix="allhands-bench-ckpt-")
     cfg = load_config(overrides=[*MODEL, "run.global_batch=16", f"run.dir={out}/resolve",
                                  "log.progress=false", "log.tensorboard=false"])
     cfg = resolve_run(cfg, resume=None, world_size=2)
-    launch(worker, (cfg.to_dict(), args.rounds, args.interval, args.blocks, out, nice), LaunchSpec(nproc=2))
+    launch(worker, (cfg.to_dict(), args.rounds, args.interval, args.blocks, out), LaunchSpec(nproc=2))
     r = json.loads(Path(out, "result.json").read_text())
-    med = {k: statistics.median(v) for k, v in r.items()}
-    # Paired per round: a round's three series ran back to back, so drift cancels within it.
-    over = {m: statistics.median((x - b) / b for x, b in zip(r[m], r["base"])) for m in ("async", "sync")}
+    med = {k: statistics.median(v) for k, v in r.items() if v}
+    # Paired per round: a round's series ran back to back, so drift cancels within it.
+    over = {m: statistics.median((x - b) / b for x, b in zip(r[m], r["base"])) for m in ("async", "async0", "sync")}
     step = med["base"] / args.interval / args.blocks
     cost = over["async"] * args.interval * step  # seconds one async save adds to training
     print(f"rounds={args.rounds} interval={args.interval} steps ranks=2 model={' '.join(MODEL)} "
-          f"global_batch=16 checkpoint={r['bytes'][0] / 2**20:.1f} MiB on disk writer_nice={nice}")
-    print("stall per save (s): sync " + " ".join(f"{v:.3f}" for v in r["stall_sync"]))
-    print("stall per save (s): async " + " ".join(f"{v:.4f}" for v in r["stall_async"]))
-    print(f"series of {args.blocks} x ({args.interval} steps + save) (s): base "
-          + " ".join(f"{v:.2f}" for v in r["base"]) + " | async " + " ".join(f"{v:.2f}" for v in r["async"])
-          + " | sync " + " ".join(f"{v:.2f}" for v in r["sync"]))
+          f"global_batch=16 checkpoint={r['bytes'][0] / 2**20:.1f} MiB on disk; writer at nice {WRITER_NICE} (async0: nice 0)")
+    for m in ("sync", "async", "async0"):
+        print(f"stall per save (s): {m} " + " ".join(f"{v:.4f}" for v in r[f"stall_{m}"]))
+    print(f"series of {args.blocks} x ({args.interval} steps + save) (s): "
+          + " | ".join(f"{m} " + " ".join(f"{v:.2f}" for v in r[m]) for m in ("base", "async", "async0", "sync")))
     print(f"median stall per save: sync {med['stall_sync']:.3f} s, async {med['stall_async']:.4f} s; "
           f"ratio sync/async = {med['stall_sync'] / med['stall_async']:.1f}x (target >= 10)")
     print(f"step time {step:.3f} s; overhead of a save every {args.interval} steps (median of per-round "
-          f"ratios): async {100 * over['async']:+.1f}% (target <= 2%), sync {100 * over['sync']:+.1f}%")
+          f"ratios): async {100 * over['async']:+.1f}% (target <= 2%), async0 {100 * over['async0']:+.1f}%, "
+          f"sync {100 * over['sync']:+.1f}%")
     pick = max(1, math.ceil(cost / (0.02 * step))) if cost > 0 else 1
     print(f"one async save adds {cost:.3f} s = {cost / step:.2f} steps; checkpoint.max_overhead=0.02 "
           f"with checkpoint.interval=1 would save every {pick} steps")
