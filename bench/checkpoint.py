@@ -92,12 +92,12 @@ def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) ->
         c.save(ts.step, state)
         c.wait()
     order = ("base", "async", "async0", "sync")
-    res: dict[str, list[float]] = {k: [] for m in order for k in (m, f"stall_{m}")}
+    res: dict[str, list[float]] = {k: [] for m in order for k in (m, f"stall_{m}", f"cpu_{m}")}
     for r in range(rounds):
         for mode in order[r % 4:] + order[:r % 4]:
             ckpt = ckpts.get(mode)
             ckpt_mod.WRITER_NICE = nice.get(mode, ckpt_mod.WRITER_NICE)  # read by each save's writer
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()  # process CPU: every thread's
             for b in range(blocks):
                 w0 = waited[0]
                 steps(interval, ckpt)
@@ -113,13 +113,14 @@ def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) ->
                 res[f"stall_{mode}"][-1] += time.perf_counter() - w0
                 ckpt.wait()  # and its write to this series' time
             res[mode].append(time.perf_counter() - t0)
+            res[f"cpu_{mode}"].append(time.process_time() - c0)
     for c in ckpts.values():
         c.close()
         assert c.failures == 0, c.warnings
     if mesh.rank == 0:
         size = sum(p.stat().st_size for p in next(iter((Path(out) / "async").glob("step-*"))).rglob("*"))
         res["bytes"] = [float(size)]
-        Path(out, "result.json").write_text(json.dumps(res))
+    Path(out, f"result-{mesh.rank}.json").write_text(json.dumps(res))
     mesh.destroy()
 
 
@@ -141,7 +142,9 @@ def main() -> None:
                                  "log.progress=false", "log.tensorboard=false"])
     cfg = resolve_run(cfg, resume=None, world_size=2)
     launch(worker, (cfg.to_dict(), args.rounds, args.interval, args.blocks, out), LaunchSpec(nproc=2))
-    r = json.loads(Path(out, "result.json").read_text())
+    r = json.loads(Path(out, "result-0.json").read_text())
+    r1 = json.loads(Path(out, "result-1.json").read_text())
+    cpu = {m: [a + b for a, b in zip(r[f"cpu_{m}"], r1[f"cpu_{m}"])] for m in ("base", "async", "async0", "sync")}
     med = {k: statistics.median(v) for k, v in r.items() if v}
     # Paired per round: a round's series ran back to back, so drift cancels within it.
     over = {m: statistics.median((x - b) / b for x, b in zip(r[m], r["base"])) for m in ("async", "async0", "sync")}
@@ -158,6 +161,15 @@ def main() -> None:
     print(f"step time {step:.3f} s; overhead of a save every {args.interval} steps (median of per-round "
           f"ratios): async {100 * over['async']:+.1f}% (target <= 2%), async0 {100 * over['async0']:+.1f}%, "
           f"sync {100 * over['sync']:+.1f}%")
+    # CPU seconds of both ranks' processes (every thread): what checkpointing costs in work,
+    # which other jobs on the machine do not inflate the way they inflate wall time.
+    cpu_over = {m: statistics.median((x - b) / b for x, b in zip(cpu[m], cpu["base"])) for m in ("async", "sync")}
+    print(f"CPU time per series, both ranks (s): " + " | ".join(
+        f"{m} " + " ".join(f"{v:.2f}" for v in cpu[m]) for m in ("base", "async", "async0", "sync")))
+    print(f"CPU cost of a save every {args.interval} steps (median of per-round ratios): async "
+          f"{100 * cpu_over['async']:+.1f}%, sync {100 * cpu_over['sync']:+.1f}% of the training CPU; one async "
+          f"save = {statistics.median(cpu['async']) / args.blocks - statistics.median(cpu['base']) / args.blocks:.3f} "
+          f"CPU s")
     pick = max(1, math.ceil(cost / (0.02 * step))) if cost > 0 else 1
     print(f"one async save adds {cost:.3f} s = {cost / step:.2f} steps; checkpoint.max_overhead=0.02 "
           f"with checkpoint.interval=1 would save every {pick} steps")
