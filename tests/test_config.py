@@ -44,6 +44,7 @@ BAD = [
     (["--set", "model.n_embd=100", "--set", "model.n_head=3"], "model.n_embd"),
     (["--set", "model.dropout=1.0"], "model.dropout"),
     (["--set", "run.device=tpu"], "run.device"),
+    (["--set", "checkpoint.max_overhead=1.5"], "checkpoint.max_overhead"),
     (["--set", "optim.lr"], "--set"),
     (["--nproc", "-1"], "--nproc"),
     (["--nnodes", "2"], "--rdzv-endpoint"),

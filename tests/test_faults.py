@@ -248,6 +248,25 @@ def test_resume_at_2_to_1_and_2_to_3_sees_the_same_data_and_parameters(token_dir
         assert_same(a, weights(cfg, cut / "checkpoints" / "step-00000006"), exact=False)
 
 
+def test_resume_at_4_to_2_sees_the_same_data_and_parameters(token_dir, tmp_path):
+    job = Job(data=_recording_data)
+    full = tmp_path / "full"
+    cfg = tiny_config(token_dir, full, *JOB, "checkpoint.interval=3", "data.eval_batches=0",
+                      "model.vocab_size=257")
+    train_job(cfg, LaunchSpec(nproc=4), job=job)
+    batch = cfg.run.global_batch
+    reference = _steps_seen(full, 4, batch)
+    assert len(reference) == 6
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-00000006")
+    shutil.rmtree(cut / "seen")
+    train_job(cfg, LaunchSpec(nproc=2), job=job, resume=str(cut))
+    assert _steps_seen(cut, 2, batch) == reference[3:6], "4 -> 2: other data"
+    assert_same(weights(cfg, full / "checkpoints" / "step-00000006"),
+                weights(cfg, cut / "checkpoints" / "step-00000006"), exact=False)
+
+
 def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path, cli_env):
     sets = [f"--set={s}" for s in (*TINY, "run.steps=5", "checkpoint.interval=2", "fault.backoff_s=0.1",
                                    f"data.path={token_dir}", f"run.dir={tmp_path / 'drill'}")]

@@ -125,6 +125,9 @@ class CheckpointConfig:
     init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
 
     mode: str = _f("async", "async (only the copy to host memory blocks the step) or sync")
+    max_overhead: float = _f(0.0, "0 = save every `interval` steps; > 0: save every smallest multiple "
+                             "of `interval` steps whose measured save cost stays under this fraction "
+                             "of the training time (CheckFreq), e.g. 0.02; in [0, 1)")
 
 
 @dataclass
@@ -314,6 +317,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)", c.interval)
     _check(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
     _check(c.mode in ("async", "sync"), "checkpoint.mode", "allowed: async, sync", c.mode)
+    _check(0 <= c.max_overhead < 1, "checkpoint.max_overhead", "must be in [0, 1), e.g. 0.02", c.max_overhead)
     _validate_fault(cfg.fault)
     _check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
     _check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from allhands.cadence import Cadence
 from allhands.checkpoint import (Checkpointer, ModelOptimState, RNGState, TrainState, check_compatible,
                                  seed_rank)
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
@@ -339,6 +340,7 @@ class Trainer:
                            device=self.mesh.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.last_action = self.guard.check(not bool(bad.item()), step + 1)
+        self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":
             self.optimizer.step()
         # Skipped or not, the batch is consumed and the schedule advances: later steps see the
@@ -381,6 +383,7 @@ class Trainer:
             metrics.log({"step": ts.step, "eval_loss": ev, **({"resumed": True} if resumed else {})})
         result: dict[str, Any] = {}
         logged_memory = False
+        cadence = Cadence(cfg.checkpoint.interval, cfg.checkpoint.max_overhead, ts.step, mesh.device)
         self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
@@ -413,9 +416,11 @@ class Trainer:
                     if ev is not None:
                         metrics.log({"step": ts.step, "eval_loss": ev})
                         result["eval_loss"] = ev
-                interval = cfg.checkpoint.interval
-                if (interval and ts.step % interval == 0) or (last and cfg.checkpoint.at_end):
-                    self.save()
+                cadence.step_done(dt, self.ckpt.in_flight)
+                if cadence.due(ts.step) or (last and cfg.checkpoint.at_end):
+                    note = cadence.save(ts.step, self.save)
+                    if note:
+                        metrics.message(note)
                 self.ckpt.poll()
                 self._report_checkpoint_warnings(metrics)
             failures = self.ckpt.failures
