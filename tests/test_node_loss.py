@@ -122,3 +122,30 @@ def test_a_killed_host_that_stays_down_leaves_the_survivor_training(lab, token_d
     assert_matches_reference(done, "2 hosts, then 1 after losing one")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [len(r["step_time_rank"]) for r in recs if r.get("step") == 8 and "loss" in r] == [1]
+
+
+def test_multi_node_restart_limit_stops_every_node_with_one_line_each(lab, token_dir, tmp_path, cli_env):
+    """Rank 0 (host 0) raises at steps 3 and 4; one restart is allowed: both nodes name each
+    failure as it happens, restart once with backoff, then stop with exit 1 and a last line."""
+    run_dir = tmp_path / "run"
+    sets = [*TINY, *JOB, "run.steps=4", "fault.max_restarts=1", f"data.path={token_dir}",
+            f"run.dir={run_dir}", "fault.inject=0:3:exception,0:4:exception"]
+    env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret-" + "x" * 16, OMP_NUM_THREADS="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    p1 = _start(lab, 1, "2", sets, env, subprocess.PIPE)
+    time.sleep(1)
+    p0 = _start(lab, 0, "2", sets, env, subprocess.PIPE)
+    out0, out1 = p0.communicate(timeout=240)[0], p1.communicate(timeout=60)[0]
+    assert (p0.returncode, p1.returncode) == (1, 1), out0[-2000:] + out1[-2000:]
+    first = [x for x in out0.splitlines() if "restart 1/1" in x]
+    assert len(first) == 1 and "worker rank 0" in first[0] and "on node 10.61.0.1 failed: " \
+        "InjectedFault: injected exception at step 3" in first[0], out0[-2000:]
+    last = out0.strip().splitlines()[-1]
+    assert last.startswith("allhands: error: worker rank 0") and "step 4" in last and \
+        "gave up after 1 restart(s) (fault.max_restarts=1)" in last, last
+    # Node 1's worker only saw its peer vanish; its lines say which node that was.
+    assert "failed: lost node 10.61.0.1 (worker rank 0): gloo: " in out1, out1[-2000:]
+    assert "gave up after 1 restart(s)" in out1.strip().splitlines()[-1]
+    events = [json.loads(x) for x in (run_dir / "logs" / "restarts.jsonl").read_text().splitlines()]
+    assert sorted((e["node"], e["verdict"]) for e in events) == [
+        ("10.61.0.1", "give_up"), ("10.61.0.1", "restart"), ("10.61.0.2", "give_up"), ("10.61.0.2", "restart")]
