@@ -225,9 +225,10 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
         raise LaunchError(f"node {node}: fewer than {rdzv.min_nodes} node(s) joined the rendezvous "
                           f"at {rdzv.endpoint} within fault.rdzv_join_timeout_s; start the missing "
                           f"nodes' command again, or allow a smaller job with --nnodes MIN:MAX") from None
-    except RendezvousConnectionError as e:
-        raise LaunchError(f"node {node}: lost the rendezvous store at {rdzv.endpoint} ({e}); the "
-                          f"node hosting it (--node-rank 0) is down: start the job again") from None
+    except RendezvousConnectionError:
+        raise LaunchError(f"node {node}: lost the rendezvous store at {rdzv.endpoint}: the node "
+                          f"hosting it (--node-rank 0) is down or unreachable; start the job again "
+                          f"(it continues from the last committed checkpoint)") from None
     except RendezvousError as e:
         raise LaunchError(f"node {node}: rendezvous failed: {type(e).__name__}: {e}") from None
     finally:

@@ -158,7 +158,7 @@ class Listeners:
                 return s.detach()
         return bind_socket(self._store_addr, 0, "worker store").detach()
 
-    _store_addr: str = ""
+    _store_addr = ""  # where the first worker store listened; later ones listen there too
 
     def _take(self, name: str) -> int:
         """Hand a socket's descriptor over to a TCPStore, which closes it."""
@@ -238,8 +238,9 @@ class NarrowRendezvousHandler(DynamicRendezvousHandler):
     publishes its address in the round's store only the first time this node leads: a node that
     joins a later round (a requeued host) then waits for ``MASTER_ADDR`` under a round prefix
     nobody writes. And the restarted workers would meet the previous round's keys in the same
-    store: gloo's ``connectFullMesh`` reads a dead peer's old address there ("Connection
-    refused", the restart flake in FACTS.md). So here every round gets a fresh store, published
+    store (process group keys are named by group, not by round): gloo's ``connectFullMesh`` can
+    read a dead peer's old address there ("Connection refused", a cause of the restart flake in
+    FACTS.md). So here every round gets a fresh store, published
     in that round's prefix by whoever leads it, and every other node reads it back.
     """
 
