@@ -439,6 +439,7 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
 
 
 def rendezvous_timeouts(cfg: Config):
+    """How long a multi-node (re-)rendezvous waits, from ``fault.*`` (README, "Losing a node")."""
     from allhands.rendezvous import Timeouts
 
     f = cfg.fault
