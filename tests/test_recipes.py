@@ -45,6 +45,17 @@ def test_slurm_script_starts_one_launcher_per_node(tmp_path):
     assert calls == [
         f"train job.toml --nnodes 2 --node-rank {i} --nproc 8 --rdzv-endpoint 10.9.0.17:29400 "
         f"--local-addr 10.9.0.{17 + i} --set run.dir=/shared/r1" for i in range(2)]
+    # NNODES_MIN: an elastic job that goes on without a lost node (srun must not end the step).
+    log.unlink()
+    _stub(bin_dir, "srun", 'echo "$1" > ' + str(tmp_path / "srun-flag") + '\n'
+          'while [[ "$1" == --* ]]; do shift; done\n'
+          'for i in $(seq 0 $((SLURM_NNODES - 1))); do\n'
+          '  SLURM_NODEID=$i LOCAL_ADDR=10.9.0.$((17 + i)) "$@" || exit 1\ndone\n')
+    r = subprocess.run(["bash", str(SBATCH)], env=dict(env, NNODES_MIN="1"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert all(" --nnodes 1:2 " in c for c in log.read_text().splitlines())
+    assert (tmp_path / "srun-flag").read_text().strip() == "--kill-on-bad-exit=0"
     # Without a run directory it stops before srun, saying what to set.
     env.pop("RUN_DIR")
     r = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=120)

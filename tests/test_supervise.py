@@ -241,3 +241,54 @@ def test_injected_faults_fire_once_per_run_directory(tmp_path):
     assert set(fired_at(tmp_path)) == {"0:2:exception", "0:3:oom", "0:4:nan"}
     assert FaultInjector("1:5:ckpt", 1, tmp_path).ckpt_writer_hook(4) is None
     assert FaultInjector("1:5:ckpt", 1, tmp_path).ckpt_writer_hook(6) is not None
+
+
+def test_failure_lines_name_the_lost_peer_node_and_its_ranks():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from allhands.elastic import describe_failures
+
+    def failure(rank, message, pid, exitcode=1):
+        f = ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file="")
+        if message:  # what torch reads from the error file of a worker that raised
+            f.message = message
+        return f
+
+    gloo = ("RuntimeError: Got the following error when running the callback: RuntimeError: "
+            "[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.61.0.2]:32440. This "
+            "is typically caused by a remote worker crashing.\n\nAt:\n  hooks.py(31)")
+    failures = {0: failure(0, {"message": gloo}, 11), 1: failure(1, "", 12, exitcode=-15)}
+    line = describe_failures(failures, 0, "10.61.0.1", {"10.61.0.2": (2, 2)})
+    assert line == ("worker rank 0 (pid 11) on node 10.61.0.1 failed: lost node 10.61.0.2 (worker "
+                    "ranks 2-3): gloo: Connection closed by peer [10.61.0.2]:32440")
+    killed = describe_failures({3: failure(3, "", 9, exitcode=-9)}, 3, "h")
+    assert killed == "worker rank 3 (pid 9) on node h failed: killed by SIGKILL"
+
+
+def test_rendezvous_timeouts_come_from_the_config_and_are_checked(tmp_path, token_dir):
+    from allhands.config import apply_override, validate
+    from allhands.launch import rendezvous_timeouts, resolve_run
+
+    from conftest import tiny_config
+
+    cfg = Config()
+    for item in ("fault.node_timeout_s=6", "fault.rdzv_last_call_s=2.5", "fault.rdzv_join_timeout_s=120"):
+        apply_override(cfg, item)
+    assert rendezvous_timeouts(cfg).configs() == {"join_timeout": 120, "last_call_timeout": 2,
+                                                  "keep_alive_interval": 2, "keep_alive_max_attempt": 3}
+    apply_override(cfg, "fault.node_timeout_s=1")
+    with pytest.raises(ConfigError, match=r"^fault.node_timeout_s: "):
+        validate(cfg, need_data=False)
+
+    # A requeued node runs its original command again: the run directory holding checkpoints of
+    # the same job is rejoined; another job's config is still refused, and so is a single node.
+    run_dir = tmp_path / "run"
+    first = resolve_run(tiny_config(token_dir, run_dir), resume=None, world_size=2, multi_node=True)
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    again = resolve_run(tiny_config(token_dir, run_dir), resume=None, world_size=2, multi_node=True)
+    assert again.to_dict() == first.to_dict()
+    with pytest.raises(ConfigError, match="^run.dir: .* already holds checkpoints"):
+        resolve_run(tiny_config(token_dir, run_dir, "optim.lr=0.5"), resume=None, world_size=2,
+                    multi_node=True)
+    with pytest.raises(ConfigError, match="^run.dir: .* already holds checkpoints"):
+        resolve_run(tiny_config(token_dir, run_dir), resume=None, world_size=2)

@@ -142,6 +142,12 @@ class FaultConfig:
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
                          "exception, oom, hang, nan, ckpt (kill during the checkpoint write)")
+    node_timeout_s: float = _f(15.0, "multi-node: a node whose agent sent no keep-alive for this long "
+                                     "is dropped from the rendezvous (a lost host), >= 3")
+    rdzv_last_call_s: float = _f(10.0, "multi-node --nnodes MIN:MAX: once MIN nodes joined a "
+                                       "(re-)rendezvous, wait this long for more, > 0")
+    rdzv_join_timeout_s: float = _f(900.0, "multi-node: a (re-)rendezvous with fewer than MIN nodes "
+                                           "fails after this long (time for a host to come back), > 0")
 
 
 @dataclass
@@ -485,6 +491,10 @@ def _validate_fault(f: FaultConfig) -> None:
     _check(f.nonfinite in ("skip", "rollback", "stop"), "fault.nonfinite",
            "allowed: skip, rollback, stop", f.nonfinite)
     _check(f.max_nonfinite >= 1, "fault.max_nonfinite", "must be >= 1", f.max_nonfinite)
+    _check(f.node_timeout_s >= 3, "fault.node_timeout_s", "must be >= 3 (3 keep-alives of >= 1 s)",
+           f.node_timeout_s)
+    _check(f.rdzv_last_call_s > 0, "fault.rdzv_last_call_s", "must be > 0", f.rdzv_last_call_s)
+    _check(f.rdzv_join_timeout_s > 0, "fault.rdzv_join_timeout_s", "must be > 0", f.rdzv_join_timeout_s)
     from allhands.faults import parse_faults  # the spec's grammar lives with the injector
 
     parse_faults(f.inject)

@@ -218,6 +218,9 @@ def _check_security_args(s: LaunchSpec) -> None:
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     """Environment the workers inherit; set here so that users never have to."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # What torch's launch_agent sets (elastic.run_agent stands in for it): the agent turns these
+    # signals into a clean stop of its workers.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
     # These two log each worker failure with a traceback of the *agent*; failure_summary()
     # says the same in one line with the worker's own cause.
@@ -226,7 +229,8 @@ def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
 
 
 def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 0,
-           log_dir: Path | None = None, policy: Any = None, run_dir: Path | None = None) -> None:
+           log_dir: Path | None = None, policy: Any = None, run_dir: Path | None = None,
+           timeouts: Any = None) -> None:
     """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker, under
     supervision (supervise.py): failures are named as they happen and restarted per ``policy``.
 
@@ -243,39 +247,42 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         # The workers inherit these; worker_env() reads them back.
         os.environ["ALLHANDS_ATTEMPT"] = str(n)
         os.environ["ALLHANDS_HEARTBEAT_DIR"] = str(heartbeat_dir)
-        agent_restarts = policy.max_restarts if spec.multi_node else 0
-        _launch_once(entrypoint, args, spec, log_dir=log_dir, agent_restarts=agent_restarts)
+        _launch_once(entrypoint, args, spec, log_dir=log_dir,
+                     policy=policy if spec.multi_node else None, heartbeat_dir=heartbeat_dir,
+                     run_dir=run_dir, timeouts=timeouts)
 
     # Multi-node: torch's agent restarts (it re-rendezvouses every node); single node: we do.
     supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
 
 
 def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
-                 log_dir: Path | None, agent_restarts: int) -> None:
-    """One elastic_launch with a fresh rendezvous; a worker failure is a WorkerFailure."""
+                 log_dir: Path | None, policy: Any = None, heartbeat_dir: Path | None = None,
+                 run_dir: Path | None = None, timeouts: Any = None) -> None:
+    """One run of torch's elastic agent with a fresh rendezvous; with a ``policy`` (multi-node)
+    the agent restarts the workers itself (elastic.py). A failure is a WorkerFailure."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from allhands.supervise import WorkerFailure
+    from allhands.elastic import node_label, run_agent
+    from allhands.rendezvous import Timeouts
 
+    timeouts = timeouts or Timeouts()
     run_id = spec.run_id or _default_run_id(spec)
-    with _secured(spec, run_id) as listeners:
-        config = LaunchConfig(
-            min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
-            run_id=run_id, rdzv_backend=listeners.backend, rdzv_endpoint=listeners.endpoint,
-            rdzv_configs=listeners.rdzv_configs, max_restarts=agent_restarts,
-            monitor_interval=0.1, start_method="spawn", local_addr=listeners.local_addr,
-            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
-        )
-        try:
-            elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as e:
-            raise WorkerFailure(failure_summary(e)) from None
+    with _secured(spec, run_id, timeouts) as listeners:
+        rdzv = RendezvousParameters(
+            backend=listeners.backend, endpoint=listeners.endpoint, run_id=run_id,
+            min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes,
+            local_addr=listeners.local_addr, **listeners.rdzv_configs)
+        run_agent(spec_kw=dict(role="default", local_world_size=spec.nproc, entrypoint=entrypoint,
+                               args=tuple(args), max_restarts=policy.max_restarts if policy else 0,
+                               monitor_interval=0.1, local_addr=listeners.local_addr),
+                  rdzv=rdzv, logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
+                  policy=policy, run_dir=run_dir, heartbeat_dir=heartbeat_dir,
+                  node=node_label(listeners.local_addr, spec.multi_node), node_timeout_s=timeouts.node_s)
 
 
 @contextlib.contextmanager
-def _secured(spec: LaunchSpec, run_id: str):
+def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
     """Bind this node's listeners narrowly (rendezvous.py) and hand the job secret to the
     workers through the environment (admission.py); both undone when the job ends."""
     from allhands import admission, rendezvous
@@ -284,7 +291,8 @@ def _secured(spec: LaunchSpec, run_id: str):
                                   insecure=spec.insecure, env=os.environ)
     listeners = rendezvous.plan(run_id=run_id, multi_node=spec.multi_node,
                                 node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint,
-                                local_addr=spec.local_addr, bind=spec.bind, port=spec.port)
+                                local_addr=spec.local_addr, bind=spec.bind, port=spec.port,
+                                **({"timeouts": timeouts} if timeouts else {}))
     env = admission.worker_environment(secret)
     # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
@@ -328,23 +336,13 @@ def _default_run_id(spec: LaunchSpec) -> str:
     return uuid.uuid4().hex[:12]
 
 
-def failure_summary(e: Any) -> str:
-    """'worker rank R (pid P) failed: cause' for the first failure and any other rank that raised;
-    ranks the agent merely terminated after the first failure are left out."""
+def failure_summary(e: Any, node: str | None = None) -> str:
+    """'worker rank R (pid P) on node N failed: cause' for the first failure and any other rank
+    that raised (``e``: torch's ChildFailedError); see elastic.describe_failures."""
+    from allhands.elastic import describe_failures
+
     first_rank, _ = e.get_first_failure()
-    lines = []
-    for rank, f in sorted(e.failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
-        raised = isinstance(f.message, dict)
-        if rank != first_rank and not raised:
-            continue
-        if raised:
-            msg = str(f.message.get("message", "")).strip().splitlines()[0]
-        elif f.exitcode < 0:
-            msg = f"killed by {f.signal_name()}"
-        else:
-            msg = f"exited with code {f.exitcode} (its output above says why)"
-        lines.append(f"worker rank {rank} (pid {f.pid}) on node {socket.gethostname()} failed: {msg}")
-    return "; ".join(lines)
+    return describe_failures(e.failures, first_rank, node or socket.gethostname())
 
 
 # --------------------------------------------------------------------------- the run directory
@@ -366,8 +364,15 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
     elif cfg.run.dir:
         run_dir = Path(cfg.run.dir)
         if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-            raise ConfigError(f"run.dir: {str(run_dir)!r} already holds checkpoints; continue it "
-                              f"with --resume {run_dir} or choose another run.dir")
+            if not (multi_node and _same_job(run_dir, cfg)):
+                raise ConfigError(f"run.dir: {str(run_dir)!r} already holds checkpoints; continue it "
+                                  f"with --resume {run_dir} or choose another run.dir")
+            # A requeued node (or job) runs its original command again (Slurm --requeue, a
+            # Kubernetes restart): it rejoins the job it belongs to, which resumes from the
+            # last committed checkpoint (the workers check that checkpoint's config).
+            print(f"allhands: run.dir {str(run_dir)!r} holds this job's checkpoints: this node "
+                  f"rejoins it (a requeued node or job)", file=sys.stderr, flush=True)
+            write = False
     else:
         run_dir = Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         n = 1
@@ -382,6 +387,26 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.resolved.toml").write_text(to_toml(cfg))
     return cfg
+
+
+def _same_job(run_dir: Path, cfg: Config) -> bool:
+    """``run_dir`` was made by this config: the same resolved config up to the fields that
+    differ between hosts or launches (threads per worker)."""
+    from allhands.config import load_config
+
+    path = run_dir / "config.resolved.toml"
+    if not path.is_file():
+        return False
+    try:
+        saved = load_config(path).to_dict()
+    except AllhandsError:
+        return False
+    now = cfg.to_dict()
+    local = [("run", "threads"), ("run", "dir")] + ([] if cfg.data.path else [("data", "path")])
+    for d in (saved, now):
+        for sec, name in local:
+            d[sec].pop(name, None)
+    return saved == now
 
 
 def _cache_dir() -> Path:
@@ -409,8 +434,16 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
           file=sys.stderr, flush=True)
     launch(_worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
-           run_dir=Path(cfg.run.dir))
+           run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))
     return cfg
+
+
+def rendezvous_timeouts(cfg: Config):
+    """How long a multi-node (re-)rendezvous waits, from ``fault.*`` (README, "Losing a node")."""
+    from allhands.rendezvous import Timeouts
+
+    f = cfg.fault
+    return Timeouts(join_s=f.rdzv_join_timeout_s, last_call_s=f.rdzv_last_call_s, node_s=f.node_timeout_s)
 
 
 def restart_policy(cfg: Config, spec: LaunchSpec):

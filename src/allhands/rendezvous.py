@@ -27,7 +27,9 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError, RendezvousInfo, RendezvousStoreInfo,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler, RendezvousTimeout,
@@ -42,6 +44,26 @@ BACKEND = "allhands-c10d"
 _WILDCARDS = ("0.0.0.0", "::", "")
 _PLANS: dict[str, "Listeners"] = {}
 _LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a multi-node rendezvous waits (config ``fault.*``); torch's defaults are a 600 s
+    join, a 30 s last call and 5 s x 3 keep-alives."""
+
+    join_s: float = 900.0
+    """A (re-)rendezvous with fewer than MIN nodes fails after this long."""
+    last_call_s: float = 10.0
+    """With MIN nodes joined (MIN < MAX), wait this long for more before starting."""
+    node_s: float = 15.0
+    """A node whose agent sent no keep-alive for this long is dropped (a lost host)."""
+
+    def configs(self) -> dict[str, Any]:
+        # torch takes whole seconds; a node is dead after keep_alive_interval x max_attempt.
+        interval = max(1, round(self.node_s / 3))
+        return {"join_timeout": max(1, round(self.join_s)),
+                "last_call_timeout": max(1, round(self.last_call_s)),
+                "keep_alive_interval": interval, "keep_alive_max_attempt": 3}
 
 
 def is_wildcard(addr: str) -> bool:
@@ -126,6 +148,18 @@ class Listeners:
                 if s is not None and s.fileno() != -1:
                     s.close()
 
+    def worker_store_fd(self) -> int:
+        """A listening socket for a worker store: the pre-bound one first, then a fresh one on
+        the same address for every later round this node leads (see NarrowRendezvousHandler)."""
+        with _LOCK:
+            s = self.store_socket
+            if s.fileno() != -1:
+                self._store_addr = s.getsockname()[0]
+                return s.detach()
+        return bind_socket(self._store_addr, 0, "worker store").detach()
+
+    _store_addr = ""  # where the first worker store listened; later ones listen there too
+
     def _take(self, name: str) -> int:
         """Hand a socket's descriptor over to a TCPStore, which closes it."""
         with _LOCK:
@@ -137,7 +171,7 @@ class Listeners:
 
 
 def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, local_addr: str,
-         bind: str, port: int) -> Listeners:
+         bind: str, port: int, timeouts: Timeouts = Timeouts()) -> Listeners:
     """Bind this node's listeners and register them under ``run_id`` for :func:`create_handler`.
 
     Single node: everything on 127.0.0.1 (``bind`` may name another address). Multi-node: node 0
@@ -180,7 +214,7 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
                 rdzv.close()
             raise
         local = local_addr or (None if is_wildcard(store_addr) else store_addr)
-        configs = {"is_host": node_rank == 0, "join_timeout": 900}
+        configs = {"is_host": node_rank == 0, **timeouts.configs()}
     listeners = Listeners(run_id, endpoint, local, rdzv, store, configs, notes)
     with _LOCK:
         _PLANS[run_id] = listeners
@@ -197,15 +231,55 @@ def _dialable(addr: str) -> str:
 
 
 class NarrowRendezvousHandler(DynamicRendezvousHandler):
-    """torch's handler; only the worker store is created on our pre-bound socket."""
+    """torch's handler; the worker store is created on our pre-bound socket, and renewed for
+    every round of the rendezvous.
+
+    torch 2.13 creates the worker store (``MASTER_ADDR:MASTER_PORT``) once per handler and
+    publishes its address in the round's store only the first time this node leads: a node that
+    joins a later round (a requeued host) then waits for ``MASTER_ADDR`` under a round prefix
+    nobody writes. And the restarted workers would meet the previous round's keys in the same
+    store (process group keys are named by group, not by round): gloo's ``connectFullMesh`` can
+    read a dead peer's old address there ("Connection refused", a cause of the restart flake in
+    FACTS.md). So here every round gets a fresh store, published
+    in that round's prefix by whoever leads it, and every other node reads it back.
+    """
 
     listeners: Listeners
+    _members: dict[str, int] = {}
 
     def _create_tcp_store_server(self, master_addr, master_port):
         # master_port is 0 in torch 2.13: the socket's own port is published instead.
         return dist.TCPStore(host_name=_dialable(master_addr), port=master_port, is_master=True,
-                             multi_tenant=True,
-                             master_listen_fd=self.listeners._take("store_socket"))
+                             multi_tenant=True, master_listen_fd=self.listeners.worker_store_fd())
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        had_store = self._shared_tcp_store_server is not None
+        info = super().next_rendezvous()
+        addr = self._this_node.addr
+        if info.rank == 0:
+            if had_store:  # torch would reuse the last round's store
+                self._shared_tcp_store_server = self._create_tcp_store_server(addr, 0)
+            port = self._shared_tcp_store_server.port
+            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode())
+            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode())
+            boot = RendezvousStoreInfo(addr, port)
+        else:
+            self._shared_tcp_store_server = None  # if this node led before, its store is done
+            boot = RendezvousStoreInfo.build(info.rank, info.store, local_addr=addr)
+        self._bootstrap_store_info = boot
+        # For naming a node that is lost later (elastic.py).
+        participants = self._state_holder.state.participants
+        self._members = {n.addr: r for n, r in participants.items()}
+        self._pids = {n.addr: n.pid for n in participants}
+        return RendezvousInfo(info.store, info.rank, info.world_size, boot)
+
+    def members(self) -> dict[str, int]:
+        """``{node address: rendezvous rank}`` as of the last rendezvous."""
+        return dict(self._members)
+
+    def launcher_pids(self) -> dict[str, int]:
+        """``{node address: pid of its agent}``: a new pid at an address is a restarted node."""
+        return dict(getattr(self, "_pids", {}))
 
     def get_backend(self) -> str:
         return BACKEND  # torch's registry checks that the handler names the backend asked for

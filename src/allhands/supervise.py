@@ -7,7 +7,8 @@ restarts wait with exponential backoff, and every attempt gets a fresh rendezvou
 a restart that reuses the previous attempt's rendezvous has been seen to fail once in gloo's
 connectFullMesh (FACTS.md); such a failure before any step completed is retried without counting
 against ``fault.max_restarts``. Multi-node jobs pass ``max_restarts`` to torch's agent, which
-re-rendezvouses all nodes together (and admits a smaller world between ``--nnodes MIN:MAX``).
+re-rendezvouses all nodes together (and admits a smaller world between ``--nnodes MIN:MAX``); our
+agent subclass there (elastic.py) applies the same policy and says the same lines.
 
 The hang watchdog is our own, not torch's ``FileTimerServer``: on an expired timer that server
 SIGKILLs the worker and then its own process, which would be the ``allhands`` launcher itself
@@ -180,14 +181,43 @@ class Watchdog:
                 except ProcessLookupError:
                     continue
                 self.hangs.append(h)
+                # For torch's agent (elastic.py), which restarts multi-node jobs and names
+                # each failure: it runs in this process but does not see this object.
+                with open(self.dir / HANGS_FILE, "a") as f:
+                    f.write(h.describe(self.timeout) + "\n")
             if hung:
                 # Its peers, blocked on it, go stale next; the agent stops them within a second.
                 holdoff_until = now + max(10.0, self.timeout)
 
     def progressed(self) -> bool:
-        """Did this attempt complete a step? The first beat is the resumed step S, the next
-        'working on S+1', so a completed step shows as S+2."""
-        return any(b[1] >= b[5] + 2 for b in read_heartbeats(self.dir).values())
+        return progressed(self.dir)
+
+
+HANGS_FILE = "hangs.log"
+
+
+def progressed(directory: Path) -> bool:
+    """Did the workers beating into ``directory`` complete a step? The first beat is the resumed
+    step S, the next 'working on S+1', so a completed step shows as S+2."""
+    return any(b[1] >= b[5] + 2 for b in read_heartbeats(directory).values())
+
+
+def take_hangs(directory: Path) -> list[str]:
+    """The watchdog's descriptions of the workers it killed since the last call."""
+    path = directory / HANGS_FILE
+    try:
+        lines = path.read_text().splitlines()
+        path.unlink()
+    except OSError:
+        return []
+    return [line for line in lines if line]
+
+
+def clear_heartbeats(directory: Path) -> None:
+    """Forget the beats of stopped workers before torch's agent starts new ones (their ranks
+    may differ after a re-rendezvous, and a stale beat would count as progress)."""
+    for p in directory.glob("rank-*"):
+        p.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -235,6 +265,8 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
                 except WorkerFailure as f:
                     failed_at = time.time()
                     summary = f.summary
+                    if not restart_here:  # torch's agent restarted, logged and gave up (elastic.py)
+                        raise LaunchError(summary) from None
                     if dog.hangs:
                         summary = "; ".join([h.describe(policy.hang_timeout_s) for h in dog.hangs]
                                             + [summary])

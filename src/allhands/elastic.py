@@ -1,0 +1,246 @@
+"""Multi-node restarts on torch's elastic agent: one line per failure, backoff, a restart limit
+with a clean stop, and the node that left or came back named (issues 4 and 5).
+
+A multi-node job cannot restart from outside the agent the way a single node does
+(supervise.py): ``elastic_launch`` closes the rendezvous for good when it returns, and the other
+nodes' agents re-rendezvous only with a live agent. So the restart stays torch's
+(``SimpleElasticAgent._invoke_run``: monitor, stop, re-rendezvous, start) and
+:class:`SupervisedAgent` hooks its two seams:
+
+- ``_monitor_workers``: on a failed group, judge it with :class:`RestartPolicy` (fatal cause,
+  start-up flake, restart, or give up) and steer torch's loop through ``_remaining_restarts``
+  (0 = stop now; +1 = a flake that does not count);
+- ``_restart_workers``: say who failed and why in one line, wait the backoff, and after the
+  re-rendezvous say which node left (no keep-alive for ``fault.node_timeout_s``) or came back and
+  the world size the job continues at.
+
+:func:`run_agent` is ``torch.distributed.launcher.api.launch_agent`` with this agent in place of
+``LocalElasticAgent`` (torch offers no way to pass an agent class), and rendezvous errors turned
+into one line each.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousTimeoutError,
+)
+
+from allhands.errors import LaunchError
+from allhands.supervise import (MAX_FLAKE_RETRIES, RestartPolicy, WorkerFailure, _log_event,
+                                _restart_point, _say, clear_heartbeats, progressed, take_hangs)
+
+# gloo's words for a peer that went away: "[.../pair.cc:553] Connection closed by peer
+# [10.61.0.2]:32440. This is typically caused by a remote worker crashing. ..."
+_GLOO_PEER = re.compile(r"\[[^\]]*gloo[^\]]*\] ((?:Connection|Read error|Socket)[^\[]*?"
+                        r"\[([0-9A-Fa-f.:]+)\]:\d+)")
+
+
+def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
+                      members: dict[str, tuple[int, int]] | None = None) -> str:
+    """'worker rank R (pid P) on node N failed: cause' for the first failure and any other rank
+    that raised; ranks the agent merely terminated after the first failure are left out. A gloo
+    error about a peer names that peer's node (and its worker ranks, from ``members``)."""
+    lines = []
+    for rank, f in sorted(failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
+        raised = isinstance(f.message, dict)
+        if rank != first_rank and not raised:
+            continue
+        if raised:
+            full = str(f.message.get("message", "")).strip()
+            msg = full.splitlines()[0] if full else "raised an exception"
+            peer = _GLOO_PEER.search(full)
+            if peer:
+                msg = f"lost node {peer.group(2)}{_ranks_of(peer.group(2), members)}: gloo: {peer.group(1)}"
+        elif f.exitcode < 0:
+            msg = f"killed by {f.signal_name()}"
+        else:
+            msg = f"exited with code {f.exitcode} (its output above says why)"
+        lines.append(f"worker rank {rank} (pid {f.pid}) on node {node} failed: {msg}")
+    return "; ".join(lines)
+
+
+def _ranks_of(addr: str, members: dict[str, tuple[int, int]] | None) -> str:
+    if members and addr in members:
+        first, n = members[addr]
+        return f" (worker rank{'s' if n > 1 else ''} {first}" + (f"-{first + n - 1})" if n > 1 else ")")
+    return ""
+
+
+@dataclass
+class _Verdict:
+    summary: str
+    verdict: str  # restart | flake | fatal | give_up
+    failed_at: float
+    progressed: bool
+
+
+class SupervisedAgent(LocalElasticAgent):
+    """torch's local agent; restarts judged and reported per :class:`RestartPolicy`."""
+
+    def __init__(self, spec: WorkerSpec, *, policy: RestartPolicy, run_dir: Path | None,
+                 heartbeat_dir: Path | None, node: str, node_timeout_s: float, **kw):
+        super().__init__(spec, **kw)
+        self.policy, self.run_dir, self.hb, self.node = policy, run_dir, heartbeat_dir, node
+        self.node_timeout_s = node_timeout_s
+        self.restarts = self.flakes = self.stalled = 0
+        self.final: str | None = None
+        self._pending: _Verdict | None = None
+
+    def _members(self) -> dict[str, tuple[int, int]]:
+        """``{node address: (first worker rank, workers)}``: nodes run equal --nproc, and worker
+        ranks follow the rendezvous rank (torch's ``_assign_worker_ranks``)."""
+        members = getattr(self._worker_group.spec.rdzv_handler, "members", None)
+        n = self._worker_group.spec.local_world_size
+        return {a: (r * n, n) for a, r in members().items()} if callable(members) else {}
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._pending is None:
+            first_rank, _ = min(((r, f.timestamp) for r, f in result.failures.items()),
+                                key=lambda rt: rt[1], default=(-1, 0))
+            summary = describe_failures(result.failures, first_rank, self.node, self._members()) \
+                or f"the workers on node {self.node} became {result.state.name.lower()}"
+            hangs = take_hangs(self.hb) if self.hb else []
+            if hangs:
+                summary = "; ".join([*hangs, summary])
+            moved = progressed(self.hb) if self.hb else True
+            verdict = self.policy.decide(summary, self.restarts, self.flakes, moved)
+            self._pending = _Verdict(summary, verdict, time.time(), moved)
+            if verdict in ("fatal", "give_up"):
+                self._remaining_restarts = 0  # torch's loop then stops the group and returns
+                self._stop(self._pending)
+            elif verdict == "flake":
+                self._remaining_restarts += 1  # torch's loop takes one off again: not counted
+        return result
+
+    def _stop(self, v: _Verdict) -> None:
+        resume = _restart_point(self.run_dir)
+        _log_event(self.run_dir, {"attempt": self.restarts + self.flakes, "failed_at": v.failed_at,
+                                  "summary": v.summary, "verdict": v.verdict, "node": self.node,
+                                  "resume_from": resume})
+        if v.verdict == "fatal" or self.policy.max_restarts == 0:
+            self.final = v.summary
+        else:
+            self.final = (f"{v.summary}; gave up after {self.restarts} restart(s) "
+                          f"(fault.max_restarts={self.policy.max_restarts}); the last committed "
+                          f"checkpoint is intact, continue by starting the job again")
+        self._pending = None
+
+    def _restart_workers(self, worker_group) -> None:
+        v, self._pending = self._pending, None
+        before = self._members()
+        pids = self._launcher_pids()
+        if v is None:  # torch restarts a healthy group when a node waits to join
+            _say(f"allhands: a node is waiting to join; node {self.node} restarts its workers to "
+                 f"admit it (not counted as a restart)")
+        else:
+            if v.verdict == "flake":
+                self.flakes += 1
+                delay = 1.0
+                what = f"start-up flake, retry {self.flakes}/{MAX_FLAKE_RETRIES} (not counted)"
+            else:
+                # As supervise(): the backoff doubles only while restarts fail before a step.
+                self.restarts += 1
+                self.flakes = 0
+                self.stalled = 0 if v.progressed else self.stalled + 1
+                delay = self.policy.delay(max(1, self.stalled))
+                what = f"restart {self.restarts}/{self.policy.max_restarts}"
+            time.sleep(delay)
+            resume = _restart_point(self.run_dir)
+            _log_event(self.run_dir, {"attempt": self.restarts + self.flakes, "failed_at": v.failed_at,
+                                      "summary": v.summary, "verdict": v.verdict, "node": self.node,
+                                      "delay_s": delay, "resume_from": resume})
+            _say(f"allhands: {v.summary}; {what} from {resume} after {delay:.1f} s "
+                 f"(re-rendezvous of all nodes)")
+        if self.hb:
+            clear_heartbeats(self.hb)
+        t0 = time.monotonic()
+        super()._restart_workers(worker_group)
+        self._report_membership(before, pids, time.monotonic() - t0)
+
+    def _launcher_pids(self) -> dict[str, int]:
+        pids = getattr(self._worker_group.spec.rdzv_handler, "launcher_pids", None)
+        return pids() if callable(pids) else {}
+
+    def _report_membership(self, before: dict, pids: dict[str, int], took: float) -> None:
+        wg = self._worker_group
+        after, now = self._members(), self._launcher_pids()
+        world = wg.workers[0].world_size if wg.workers else 0
+        parts = [f"node {a}{_ranks_of(a, before)} left the job (no keep-alive for "
+                 f"fault.node_timeout_s={self.node_timeout_s:g} s)" for a in before if a not in after]
+        parts += [f"node {a} {'came back (a new launcher)' if a in pids and now.get(a) != pids[a] else 'joined'}"
+                  for a in after if a not in before or now.get(a) != pids.get(a)]
+        size = f"{wg.group_world_size} node(s), world size {world}"
+        _say(f"allhands: {'; '.join(parts) + '; ' if parts else ''}re-rendezvous done in "
+             f"{took:.1f} s: continuing on {size}")
+
+
+def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, policy: RestartPolicy | None,
+              run_dir: Path | None, heartbeat_dir: Path | None, node: str,
+              node_timeout_s: float) -> dict[int, Any]:
+    """``launch_agent`` with :class:`SupervisedAgent` (``policy`` None: torch's own agent, for a
+    single node, which restarts outside). Raises WorkerFailure / LaunchError with one line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from allhands.launch import failure_summary
+
+    spec = WorkerSpec(rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), **spec_kw)
+    if policy is None:
+        agent = LocalElasticAgent(spec=spec, logs_specs=logs_specs, start_method="spawn")
+    else:
+        agent = SupervisedAgent(spec, policy=policy, run_dir=run_dir, heartbeat_dir=heartbeat_dir,
+                                node=node, node_timeout_s=node_timeout_s, logs_specs=logs_specs,
+                                start_method="spawn")
+    shutdown = True
+    try:
+        result = agent.run()
+        if result is None:  # torch: the rendezvous was closed while this node was redundant
+            raise LaunchError(f"node {node}: the job ended while this node waited to join")
+        if result.is_failed():
+            final = getattr(agent, "final", None)
+            if final:
+                raise WorkerFailure(final)
+            raise WorkerFailure(failure_summary(ChildFailedError(name="allhands", failures=result.failures),
+                                                node=node))
+        return result.return_values
+    except SignalException:
+        shutdown = False  # as launch_agent: a signalled agent leaves the rendezvous open
+        raise
+    except RendezvousClosedError:
+        raise LaunchError(f"node {node}: another node ended the job (it failed for good or used up "
+                          f"its restarts; its output says why)") from None
+    except RendezvousTimeoutError:
+        raise LaunchError(f"node {node}: fewer than {rdzv.min_nodes} node(s) joined the rendezvous "
+                          f"at {rdzv.endpoint} within fault.rdzv_join_timeout_s; start the missing "
+                          f"nodes' command again, or allow a smaller job with --nnodes MIN:MAX") from None
+    except RendezvousConnectionError:
+        raise LaunchError(f"node {node}: lost the rendezvous store at {rdzv.endpoint}: the node "
+                          f"hosting it (--node-rank 0) is down or unreachable; start the job again "
+                          f"(it continues from the last committed checkpoint)") from None
+    except RendezvousError as e:
+        raise LaunchError(f"node {node}: rendezvous failed: {type(e).__name__}: {e}") from None
+    finally:
+        if shutdown:
+            try:
+                spec.rdzv_handler.shutdown()
+            except Exception:  # the store may be gone with node 0; nothing left to close
+                pass
+
+
+def node_label(local_addr: str | None, multi_node: bool) -> str:
+    """Nodes named by the address the others reach them at (host names can repeat, e.g. in
+    containers or the lab's namespaces); a single node by its host name."""
+    return (local_addr if multi_node and local_addr else socket.gethostname())
+
