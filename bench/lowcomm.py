@@ -9,10 +9,17 @@ seed, data order and token budget for every method, run one after the other in t
   to reach DDP's final eval loss (target at least 10x faster for DiLoCo);
 - a PNG of eval loss against training wall time for all runs (bench/figures/lowcomm.png).
 
-Needs root (network namespaces). Wall times exclude process start-up: they run from the start of
-the first step (its metrics stamp minus its step time) to the eval that reaches the loss.
+Needs root (network namespaces). Wall time is training time: the sum of the logged step times
+(each the slowest rank's; DiLoCo's outer syncs and synchronous warm-up steps included, evals and
+process start-up excluded) up to the eval that reaches the loss. The speed-up bound printed per
+DiLoCo run (DDP's median step / (inner step + outer sync / H)) shows what the machine's load
+allows at equal tokens: the load slows compute, not the capped link, so it lowers the speed-up.
 
-    sudo python bench/lowcomm.py [--steps 200] [--diloco-h 20,50]
+``--loopback`` runs the same jobs as 2 workers on this host without the lab (no root needed):
+the losses are the lab's (same seed, data and arithmetic), wall times and bytes are not; it is
+how the dependence of the eval-loss gap on H, batch, budget and warm-up was explored.
+
+    sudo python bench/lowcomm.py [--steps 400] [--batch 4] [--diloco-h 20,50,100] [--warmup 0]
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-# 4 x 12 x 224^2 ~ 2.5M weights: ~10 MB of fp32 gradient per step, ~0.8 s at 100 Mbit/s, while
-# a step's compute on 4 x 32 tokens per worker is a fraction of that on one CPU thread.
+# 4 x 12 x 224^2 ~ 2.5M weights: ~10 MB of fp32 gradient per step, ~0.8 s at 100 Mbit/s. DDP's
+# comm/compute ratio grows as tokens per worker per step shrink (comm ~ 8P / 12.5 MB/s, compute
+# ~ 6 P tokens / FLOPS): 2 x 32 tokens per worker is ~0.04 s of compute on a quiet core (~0.09 s
+# with the machine loaded 6x), so all-reduce is ~90% of DDP's step.
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=224", "model.seq_len=32",
          "model.bias=false"]
 RATE_MBIT = 100
-BATCH = 8  # global samples per step: 4 x 32 tokens per worker keeps compute well under comm
+BATCH = 4  # global samples per step, every method: 2 x 32 tokens per worker
 
 
 def job_args(run_dir: Path, steps: int, extra: list[str], eval_every: int, batch: int) -> list[str]:
@@ -50,7 +59,7 @@ def job_args(run_dir: Path, steps: int, extra: list[str], eval_every: int, batch
 def run_job(lab, run_dir: Path, steps: int, extra: list[str], eval_every: int, port: int,
             batch: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
-               ALLHANDS_SECRET="bench-lowcomm")
+               ALLHANDS_SECRET="bench-lowcomm-not-a-real-secret")
     procs = []
     if lab is None:  # --loopback: both workers on this host (losses only; no link, no wall-time claim)
         cmd = [sys.executable, "-m", "allhands.cli", "train", "--nproc", "2",
@@ -96,12 +105,12 @@ def sent(row: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--diloco-h", default="20,50")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--diloco-h", default="20,50,100")
     ap.add_argument("--powersgd-rank", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=0,
                     help="DiLoCo: synchronous steps before the first round (sync.sync_warmup_steps)")
-    ap.add_argument("--reach-factor", type=int, default=2,
+    ap.add_argument("--reach-factor", type=float, default=1.5,
                     help="also run the last DiLoCo H with this many times the tokens (1: no)")
     ap.add_argument("--only", default="", help="comma-separated run names to run (DDP always runs)")
     ap.add_argument("--batch", type=int, default=BATCH, help="global samples per step, every run")
@@ -137,8 +146,8 @@ def main() -> None:
     runs = [("DDP", ["parallel.sync=allreduce"], 10, args.steps)]
     runs += [(f"DiLoCo H={h}", diloco(h), h, args.steps) for h in hs]
     if args.reach_factor > 1:  # the time to DDP's final loss, given more tokens if it needs them
-        runs.append((f"DiLoCo H={hs[-1]} x{args.reach_factor}", diloco(hs[-1]), hs[-1],
-                     args.steps * args.reach_factor))
+        runs.append((f"DiLoCo H={hs[-1]} x{args.reach_factor:g}", diloco(hs[-1]), hs[-1],
+                     round(args.steps * args.reach_factor)))
     runs += [(f"PowerSGD r={args.powersgd_rank}", ["sync.compress=powersgd",
               f"sync.powersgd_rank={args.powersgd_rank}"], 10, args.steps),
              ("bf16", ["sync.compress=bf16"], 10, args.steps)]
@@ -172,7 +181,7 @@ def main() -> None:
              f"two lab hosts x 1 worker, {RATE_MBIT} Mbit/s tbf each way, MTU 9000")
     print(f"{where}; model {' '.join(MODEL)} ({n_params / 1e6:.2f}M parameters, "
           f"{4 * n_params / 1e6:.1f} MB fp32); {args.batch} samples x 32 tokens per step; "
-          f"{args.steps} steps for every run (x{args.reach_factor} where marked); DiLoCo: outer "
+          f"{args.steps} steps for every run (x{args.reach_factor:g} where marked); DiLoCo: outer "
           f"Nesterov lr 0.7 momentum 0.9, {args.warmup} synchronous warm-up steps; "
           f"{' '.join(args.sets) or 'no other overrides'}")
     ddp = results["DDP"]
