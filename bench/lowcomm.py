@@ -46,13 +46,17 @@ MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=224", "model.seq_len
          "model.bias=false"]
 RATE_MBIT = 100
 BATCH = 4  # global samples per step, every method: 2 x 32 tokens per worker
+# Peak lr of every method's (inner) AdamW, tuned for the DDP baseline at this batch: at 2e-3 DDP
+# sat on a loss plateau near 3.3 for 250 of its 400 steps and ended at 3.087, at 1e-3 it ends at
+# 2.828 (`--loopback --set optim.lr=...`, 2026-12-02); a weak baseline would flatter DiLoCo.
+LR = 1e-3
 
 
 def job_args(run_dir: Path, steps: int, extra: list[str], eval_every: int, batch: int) -> list[str]:
     sets = [*MODEL, f"run.steps={steps}", f"run.global_batch={batch}", f"run.eval_interval={eval_every}",
             "data.eval_batches=16", "checkpoint.interval=0", "checkpoint.at_end=false",
             "log.progress=false", "log.tensorboard=false", "log.interval=1", "optim.warmup_steps=10",
-            "optim.lr=2e-3", "run.threads=1", f"run.dir={run_dir}", *extra]
+            f"optim.lr={LR}", "run.threads=1", f"run.dir={run_dir}", *extra]
     return [x for s in sets for x in ("--set", s)]
 
 
