@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--powersgd-rank", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=0,
                     help="DiLoCo: synchronous steps before the first round (sync.sync_warmup_steps)")
-    ap.add_argument("--reach-factor", type=float, default=1.5,
+    ap.add_argument("--reach-factor", type=float, default=2,
                     help="also run the last DiLoCo H with this many times the tokens (1: no)")
     ap.add_argument("--only", default="", help="comma-separated run names to run (DDP always runs)")
     ap.add_argument("--batch", type=int, default=BATCH, help="global samples per step, every run")
