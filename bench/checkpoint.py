@@ -164,7 +164,7 @@ def main() -> None:
     # CPU seconds of both ranks' processes (every thread): what checkpointing costs in work,
     # which other jobs on the machine do not inflate the way they inflate wall time.
     cpu_over = {m: statistics.median((x - b) / b for x, b in zip(cpu[m], cpu["base"])) for m in ("async", "sync")}
-    print(f"CPU time per series, both ranks (s): " + " | ".join(
+    print("CPU time per series, both ranks (s): " + " | ".join(
         f"{m} " + " ".join(f"{v:.2f}" for v in cpu[m]) for m in ("base", "async", "async0", "sync")))
     print(f"CPU cost of a save every {args.interval} steps (median of per-round ratios): async "
           f"{100 * cpu_over['async']:+.1f}%, sync {100 * cpu_over['sync']:+.1f}% of the training CPU; one async "

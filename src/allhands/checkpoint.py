@@ -41,7 +41,7 @@ from allhands.security import SafeFileSystemReader, checkpoint_error_from, verif
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # allhands.json in every checkpoint: the format version, the step and the resolved config.
 META_NAME = "allhands.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optimizer param_groups packed per parameter (_pack_param_groups)
 
 
 class ModelOptimState(Stateful):
@@ -86,19 +86,50 @@ class ModelOptimState(Stateful):
                 m = {k: v.clone() if type(v) is torch.Tensor and v.untyped_storage().data_ptr() in buffers
                      else v for k, v in m.items()}
             msd.update(m)
-            osd.update(_rename_optim_keys(o, self.aliases))
+            osd.update(_pack_param_groups(_rename_optim_keys(o, self.aliases)))
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         parts = self._parts()
         back = {v: k for k, v in self.aliases.items()}
         for model, optim in parts:
-            msd, osd = state["model"], _rename_optim_keys(state["optim"], back)
+            msd, osd = state["model"], _rename_optim_keys(_unpack_param_groups(state["optim"]), back)
             if len(parts) > 1:  # each stage takes its own keys (strict loading stays on)
                 mine = set(get_state_dict(model, optim, options=self.OPTIONS)[0])
                 msd = {k: v for k, v in msd.items() if k in mine}
                 osd = {k: v for k, v in osd.items() if k.split(".", 1)[1].rsplit(".", 1)[0] in mine}
             set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=self.OPTIONS)
+
+
+def _pack_param_groups(osd: dict[str, Any]) -> dict[str, Any]:
+    """``param_groups.<fqn>.<leaf>`` scalars -> one ``param_groups.<fqn>`` list of
+    ``[leaf, value]`` pairs per parameter (a list of scalars is one DCP item).
+
+    DCP writes every non-tensor leaf as its own ``torch.save``; for AdamW that is ~12 scalars
+    per parameter (lr, betas, eps, ... , initial_lr), 572 of the 781 items of the benchmark GPT's
+    state, and most of the CPU an async save costs the training ranks (BENCHMARKS.md). Packed
+    per parameter, the keys stay per FQN, so every layout still reads every other's checkpoint.
+    """
+    out: dict[str, Any] = {}
+    groups: dict[str, list] = {}
+    for key, value in osd.items():
+        if key.startswith("param_groups."):
+            fqn, leaf = key[len("param_groups."):].rsplit(".", 1)
+            groups.setdefault(f"param_groups.{fqn}", []).append([leaf, value])
+        else:
+            out[key] = value
+    out.update({k: sorted(v, key=lambda pair: pair[0]) for k, v in groups.items()})
+    return out
+
+
+def _unpack_param_groups(osd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in osd.items():
+        if key.startswith("param_groups.") and isinstance(value, list):
+            out.update({f"{key}.{leaf}": v for leaf, v in value})
+        else:
+            out[key] = value
+    return out
 
 
 def _rename_optim_keys(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
