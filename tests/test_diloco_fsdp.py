@@ -8,18 +8,18 @@ dp_shard only; the outer sync all-reduces each rank's local shards over dp_repli
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from allhands.checkpoint import committed
 from allhands.config import validate
 from allhands.errors import ConfigError
 from allhands.launch import LaunchSpec, train_job
 
 from conftest import tiny_config
 from test_lowcomm import n_params, step_records
-from test_parity import assert_matches_reference, max_rel_diff, trained_params
+from test_parity import assert_matches_reference, assert_resume_bit_exact, max_rel_diff, trained_params
 
 FSDP_2x2 = ["parallel.dp_replicate=2", "parallel.dp_shard=2"]
 
@@ -113,20 +113,11 @@ def test_diloco_with_fsdp_resume_is_exact(token_dir, tmp_path):
     # AdamW inside, Nesterov outer momentum: stopped after the first round and resumed, the
     # sharded anchor and momentum (DTensors under ``sync``), each replica's sharded inner AdamW
     # moments and the FSDP model come back, so the second round matches bit for bit.
-    full = tmp_path / "full"
-    cfg = tiny_config(token_dir, full, "parallel.sync=diloco", "sync.inner_steps=2", "run.steps=4",
-                      "checkpoint.interval=2", "checkpoint.keep_last=5", "parallel.zero=3", *FSDP_2x2)
-    done = train_job(cfg, LaunchSpec(nproc=4))
-    cut = tmp_path / "cut"
-    shutil.copytree(full, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-00000004")
-    train_job(cfg, LaunchSpec(nproc=4), resume=str(cut))
-    a = trained_params(done)
-    done.run.dir = str(cut)
-    b = trained_params(done)
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
-    assert [s for s, _ in committed(cut / "checkpoints")] == [2, 4]
+    cfg = tiny_config(token_dir, tmp_path / "full", "parallel.sync=diloco", "sync.inner_steps=2",
+                      "run.steps=4", "checkpoint.interval=2", "checkpoint.keep_last=5",
+                      "parallel.zero=3", *FSDP_2x2)
+    done, a = assert_resume_bit_exact(cfg, 4, tmp_path, drop_step=4, label="resume")
+    full = Path(done.run.dir)
     # Resumed on another layout, 2 replicas of one rank each (no sharding): DCP reshards the
     # FSDP model, the DTensor anchor and momentum and each replica's inner AdamW moments into
     # plain tensors. Each replica still sees its half of every global batch, so the second round
@@ -151,24 +142,14 @@ def test_powersgd_resume_is_exact(token_dir, tmp_path):
     # buckets than the saving step 3 did: the state is restored per parameter.
     from allhands.security import SafeFileSystemReader
 
-    full = tmp_path / "full"
-    cfg = tiny_config(token_dir, full, "sync.compress=powersgd", "sync.powersgd_start_step=2",
-                      "sync.powersgd_rank=2", "run.steps=6", "checkpoint.interval=3",
-                      "checkpoint.keep_last=5")
-    done = train_job(cfg, LaunchSpec(nproc=2))
-    saved = SafeFileSystemReader(full / "checkpoints" / "step-00000003").read_metadata().state_dict_metadata
+    cfg = tiny_config(token_dir, tmp_path / "full", "sync.compress=powersgd",
+                      "sync.powersgd_start_step=2", "sync.powersgd_rank=2", "run.steps=6",
+                      "checkpoint.interval=3", "checkpoint.keep_last=5")
+    done, _ = assert_resume_bit_exact(cfg, 2, tmp_path, drop_step=6, label="resume with PowerSGD")
+    saved = SafeFileSystemReader(Path(done.run.dir) / "checkpoints" / "step-00000003").read_metadata().state_dict_metadata
     for rank in (0, 1):  # one residual per rank, one Q for all
         assert any(k.startswith(f"sync.powersgd.error.rank{rank}.") for k in saved)
     assert any(k.startswith("sync.powersgd.q_r2.") for k in saved)
-    cut = tmp_path / "cut"
-    shutil.copytree(full, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-00000006")
-    train_job(cfg, LaunchSpec(nproc=2), resume=str(cut))
-    a = trained_params(done)
-    done.run.dir = str(cut)
-    b = trained_params(done)
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs after resume with PowerSGD"
 
 
 def test_diloco_layout_config_errors(token_dir, tmp_path):

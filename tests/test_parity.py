@@ -3,6 +3,7 @@ same parameters as one process training on whole global batches (fp32, rel. diff
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,26 @@ def trained_params(cfg) -> dict[str, torch.Tensor]:
 
 def max_rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+
+
+def assert_resume_bit_exact(cfg, nproc: int, tmp_path: Path, drop_step: int, label: str):
+    """Train ``cfg`` on ``nproc`` workers; resume a copy of its run directory without the
+    checkpoint of ``drop_step``; the resumed run's final parameters must equal the uninterrupted
+    run's bit for bit. Returns the finished config and the uninterrupted parameters."""
+    done = train_job(cfg, LaunchSpec(nproc=nproc))
+    full = Path(done.run.dir)
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / f"step-{drop_step:08d}")
+    train_job(cfg, LaunchSpec(nproc=nproc), resume=str(cut))
+    a = trained_params(done)
+    done.run.dir = str(cut)
+    b = trained_params(done)
+    done.run.dir = str(full)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after {label}"
+    assert [s for s, _ in committed(cut / "checkpoints")][-1] == cfg.run.steps
+    return done, a
 
 
 def assert_matches_reference(done, label: str, tol: float = 1e-5) -> dict[str, torch.Tensor]:
