@@ -15,7 +15,14 @@ Kinds:
 - ``nan``: multiply this rank's loss by NaN (the gradients all-reduce to NaN everywhere);
 - ``ckpt``: SIGKILL inside the storage writer of the first checkpoint saved at or after STEP,
   after this rank's shard files are written but before the save completes, i.e. during an
-  (asynchronous) checkpoint write.
+  (asynchronous) checkpoint write;
+- ``flake``: the start-up flake of FACTS.md ("Launching"): the first attempt that starts at step
+  STEP or later fails before computing any step, raising the ``RuntimeError`` gloo raises when
+  ``connectFullMesh`` cannot reach a peer. The restart policy must retry it without counting it
+  against ``fault.max_restarts`` (supervise.RestartPolicy). Raising gloo's words rather than
+  breaking the real connection: the real flake needs a stale peer address in the worker store,
+  which the fresh store per round (rendezvous.py) no longer leaves behind, so it cannot be
+  provoked on purpose; what is tested is everything after it (classification, retry, report).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 
 from allhands.errors import AllhandsError, ConfigError
 
-KINDS = ("exception", "oom", "hang", "nan", "ckpt")
+KINDS = ("exception", "oom", "hang", "nan", "ckpt", "flake")
 
 
 class NonFiniteError(AllhandsError):
@@ -41,6 +48,12 @@ class NonFiniteError(AllhandsError):
 
 class InjectedFault(RuntimeError):
     """Raised by an ``exception`` fault; never caught by allhands."""
+
+
+# What ProcessGroupGloo raises when a peer refuses the connection (its "Gloo connectFullMesh
+# failed with " prefix, then gloo's own error); the injected marker says where it came from.
+FLAKE_MESSAGE = ("Gloo connectFullMesh failed with [gloo/transport/tcp/pair.cc] Connection "
+                 "refused (injected start-up flake {fault})")
 
 
 @dataclass(frozen=True, order=True)
@@ -114,6 +127,7 @@ class FaultInjector:
         self.rank = rank
         self.marker_dir = run_dir / "faults"
         self.faults = [f for f in parse_faults(spec) if f.rank == rank]
+        self._started = False  # before_step was called in this process (a ``flake`` is at start)
 
     def _take(self, step: int, kinds: tuple[str, ...] | None, at_or_after: bool = False) -> Fault | None:
         for f in self.faults:
@@ -131,6 +145,10 @@ class FaultInjector:
         return None
 
     def before_step(self, step: int) -> None:
+        first, self._started = not self._started, True
+        f = self._take(step, ("flake",), at_or_after=True) if self.faults and first else None
+        if f is not None:
+            raise RuntimeError(FLAKE_MESSAGE.format(fault=f))
         if self.faults and self._take(step, ("hang",)):
             while True:  # a hung rank: only the watchdog's SIGKILL ends this
                 time.sleep(3600)
