@@ -23,7 +23,11 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-rank", type=int, default=0,
                    help="this node's rank; node 0 hosts the rendezvous")
     g.add_argument("--rdzv-endpoint", default="",
-                   help="HOST:PORT of the c10d rendezvous on node 0 (multi-node)")
+                   help="HOST:PORT of the c10d rendezvous on node 0 (multi-node), or of the "
+                        "`allhands rendezvous-store` process with --rdzv-store external")
+    g.add_argument("--rdzv-store", default="node0", choices=("node0", "external"),
+                   help="who serves the rendezvous store: node 0 (default; losing node 0 ends "
+                        "the job) or an `allhands rendezvous-store` process (any node may be lost)")
     g.add_argument("--local-addr", default="",
                    help="this node's address as the other nodes reach it (multi-node)")
     g.add_argument("--port", type=int, default=0,
@@ -52,7 +56,8 @@ def _spec(args: argparse.Namespace):
     return LaunchSpec(nproc=args.nproc, nnodes=int(hi or lo), node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, local_addr=args.local_addr, port=args.port,
                       max_restarts=args.max_restarts, min_nodes=int(lo) if hi else 0,
-                      bind=args.bind, secret_file=args.secret_file, insecure=args.insecure)
+                      bind=args.bind, secret_file=args.secret_file, insecure=args.insecure,
+                      rdzv_store=args.rdzv_store)
 
 
 def _config_from(args: argparse.Namespace):
@@ -95,6 +100,22 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise ConfigError(f"script {args.script!r} does not exist; pass the path of a Python file")
     launch(sys.executable, ("-u", str(script), *args.script_args), _spec(args))
+    return 0
+
+
+def cmd_rendezvous_store(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from allhands.rendezvous import serve_store
+
+    try:
+        ipaddress.ip_address(args.bind)
+    except ValueError:
+        raise ConfigError(f"--bind: {args.bind!r} is not an IP address; pass the address of this "
+                          f"host that the training nodes reach (0.0.0.0 means every interface)") from None
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: {args.port} is not allowed; must be in [0, 65535]")
+    serve_store(args.bind, args.port)
     return 0
 
 
@@ -168,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("script")
     la.add_argument("script_args", nargs=argparse.REMAINDER)
     la.set_defaults(fn=cmd_launch)
+
+    rs = sub.add_parser("rendezvous-store",
+                        help="serve a job's rendezvous store apart from its nodes, so that any "
+                             "node may be lost (train --rdzv-store external on every node)")
+    rs.add_argument("--bind", required=True, metavar="ADDR",
+                    help="address to listen on, one the training nodes reach")
+    rs.add_argument("--port", type=int, default=29400, help="port (default 29400)")
+    rs.set_defaults(fn=cmd_rendezvous_store)
 
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)

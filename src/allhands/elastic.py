@@ -189,7 +189,7 @@ class SupervisedAgent(LocalElasticAgent):
 
 def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, policy: RestartPolicy | None,
               run_dir: Path | None, heartbeat_dir: Path | None, node: str,
-              node_timeout_s: float) -> dict[int, Any]:
+              node_timeout_s: float, external_store: bool = False) -> dict[int, Any]:
     """``launch_agent`` with :class:`SupervisedAgent` (``policy`` None: torch's own agent, for a
     single node, which restarts outside). Raises WorkerFailure / LaunchError with one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -219,15 +219,21 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
         shutdown = False  # as launch_agent: a signalled agent leaves the rendezvous open
         raise
     except RendezvousClosedError:
+        # torch keeps a closed rendezvous closed in its store: a long-lived external store
+        # refuses the next run of the same job (same endpoint, hence the same run id).
+        again = ("; or the rendezvous store served an earlier run of this job: restart "
+                 "`allhands rendezvous-store` before starting the job again") if external_store else ""
         raise LaunchError(f"node {node}: another node ended the job (it failed for good or used up "
-                          f"its restarts; its output says why)") from None
+                          f"its restarts; its output says why){again}") from None
     except RendezvousTimeoutError:
         raise LaunchError(f"node {node}: fewer than {rdzv.min_nodes} node(s) joined the rendezvous "
                           f"at {rdzv.endpoint} within fault.rdzv_join_timeout_s; start the missing "
                           f"nodes' command again, or allow a smaller job with --nnodes MIN:MAX") from None
     except RendezvousConnectionError:
-        raise LaunchError(f"node {node}: lost the rendezvous store at {rdzv.endpoint}: the node "
-                          f"hosting it (--node-rank 0) is down or unreachable; start the job again "
+        where = ("the `allhands rendezvous-store` process is down or unreachable; start it again, "
+                 "then the job" if external_store else
+                 "the node hosting it (--node-rank 0) is down or unreachable; start the job again")
+        raise LaunchError(f"node {node}: lost the rendezvous store at {rdzv.endpoint}: {where} "
                           f"(it continues from the last committed checkpoint)") from None
     except RendezvousError as e:
         raise LaunchError(f"node {node}: rendezvous failed: {type(e).__name__}: {e}") from None

@@ -172,6 +172,9 @@ class LaunchSpec:
     bind: str = ""
     secret_file: str = ""
     insecure: bool = False
+    rdzv_store: str = "node0"
+    """Who serves the rendezvous store: node 0's agent, or an ``allhands rendezvous-store``
+    process every node dials (``external``), so that losing node 0 is survivable too."""
 
     @property
     def multi_node(self) -> bool:
@@ -195,6 +198,12 @@ class LaunchSpec:
             raise ConfigError("--rdzv-endpoint: required with --nnodes > 1, e.g. node0:29400")
         if s.rdzv_endpoint and not s.rdzv_endpoint.rpartition(":")[2].isdigit():
             raise ConfigError(f"--rdzv-endpoint: {s.rdzv_endpoint!r} is not HOST:PORT")
+        if s.rdzv_store not in ("node0", "external"):
+            raise ConfigError(f"--rdzv-store: {s.rdzv_store!r} is not allowed; must be node0 or "
+                              f"external")
+        if s.rdzv_store == "external" and not s.rdzv_endpoint:
+            raise ConfigError("--rdzv-store: external needs --rdzv-endpoint HOST:PORT of the "
+                              "`allhands rendezvous-store` process")
         _check_security_args(s)
         return s
 
@@ -278,7 +287,8 @@ def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
                                monitor_interval=0.1, local_addr=listeners.local_addr),
                   rdzv=rdzv, logs_specs=DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None),
                   policy=policy, run_dir=run_dir, heartbeat_dir=heartbeat_dir,
-                  node=node_label(listeners.local_addr, spec.multi_node), node_timeout_s=timeouts.node_s)
+                  node=node_label(listeners.local_addr, spec.multi_node), node_timeout_s=timeouts.node_s,
+                  external_store=listeners.external)
 
 
 @contextlib.contextmanager
@@ -292,6 +302,7 @@ def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
     listeners = rendezvous.plan(run_id=run_id, multi_node=spec.multi_node,
                                 node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint,
                                 local_addr=spec.local_addr, bind=spec.bind, port=spec.port,
+                                external_store=spec.rdzv_store == "external",
                                 **({"timeouts": timeouts} if timeouts else {}))
     env = admission.worker_environment(secret)
     # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.

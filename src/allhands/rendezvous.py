@@ -12,12 +12,25 @@ result with torch's ``rendezvous_handler_registry`` as :data:`BACKEND`.
 The sockets are bound in the launcher before ``elastic_launch`` (so a busy port is one clear
 error, and there is no window between choosing a free port and binding it) and looked up by run
 id when torch asks the registry for the handler.
+
+Where the rendezvous store lives. torch's c10d backend keeps it in the agent of one node
+(``is_host``; ours: ``--node-rank 0``), so that node is the one the job cannot lose; torch's docs
+point to etcd for a store that survives its nodes, but both of torch 2.13's etcd backends
+(``etcd``, ``etcd-v2``) speak etcd's v2 API through python-etcd, which current etcd releases no
+longer serve by default, and neither etcd nor python-etcd is installed here. The c10d way to the same end is the same
+TCPStore in a process of its own, on a host that does not train: :func:`serve_store` (``allhands
+rendezvous-store``), with every training node a client (``--rdzv-store external``). The rendezvous
+state (rounds, participants, keep-alives) lives in that store and nowhere else, and the worker
+store is created per round by whichever node leads it (NarrowRendezvousHandler), so after node 0
+is lost for good the survivors re-rendezvous without it and one of them serves the next worker
+store.
 """
 
 from __future__ import annotations
 
 import errno
 import ipaddress
+import signal
 import socket
 import sys
 import threading
@@ -126,6 +139,8 @@ class Listeners:
     """The worker store's socket: used if this node's agent becomes rendezvous rank 0."""
     rdzv_configs: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    external: bool = False
+    """The rendezvous store is an ``allhands rendezvous-store`` process, not node 0's agent."""
 
     def describe(self) -> str:
         """One line for stderr: every listener this node opens, and where."""
@@ -137,6 +152,8 @@ class Listeners:
         where = "listening on " + ", ".join(parts)
         if self.rdzv_socket is None:
             where += f"; rendezvous at {self.endpoint}"
+            if self.external:
+                where += " (external store: allhands rendezvous-store)"
         return "; ".join([where, *self.notes])
 
     def close(self) -> None:
@@ -171,13 +188,15 @@ class Listeners:
 
 
 def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, local_addr: str,
-         bind: str, port: int, timeouts: Timeouts = Timeouts()) -> Listeners:
+         bind: str, port: int, timeouts: Timeouts = Timeouts(),
+         external_store: bool = False) -> Listeners:
     """Bind this node's listeners and register them under ``run_id`` for :func:`create_handler`.
 
     Single node: everything on 127.0.0.1 (``bind`` may name another address). Multi-node: node 0
     hosts the rendezvous store on the endpoint's address; the worker store goes on ``bind``, else
     ``local_addr``, else the endpoint's address (node 0) or this host name's address. All
-    interfaces only when ``bind`` says so (0.0.0.0 or ::), with a warning.
+    interfaces only when ``bind`` says so (0.0.0.0 or ::), with a warning. ``external_store``:
+    no node hosts the rendezvous store, every node dials it at the endpoint (:func:`serve_store`).
     """
     notes = []
     if bind and is_wildcard(bind):
@@ -200,12 +219,13 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
         ep_host = ep_host.strip("[]")
         endpoint = rdzv_endpoint
         rdzv = None
-        if node_rank == 0:
+        hosts = node_rank == 0 and not external_store
+        if hosts:
             rdzv_addr = bind or resolve(ep_host)
             rdzv = bind_socket(rdzv_addr, int(ep_port), "rendezvous store")
             if ipaddress.ip_address(rdzv_addr).is_loopback:
                 notes.append(f"{ep_host!r} is a loopback address: only this host can join")
-        store_addr = bind or local_addr or (resolve(ep_host) if node_rank == 0
+        store_addr = bind or local_addr or (resolve(ep_host) if hosts
                                             else resolve(socket.getfqdn(), "--local-addr"))
         try:
             store = bind_socket(store_addr, 0, "worker store")
@@ -214,8 +234,9 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
                 rdzv.close()
             raise
         local = local_addr or (None if is_wildcard(store_addr) else store_addr)
-        configs = {"is_host": node_rank == 0, **timeouts.configs()}
-    listeners = Listeners(run_id, endpoint, local, rdzv, store, configs, notes)
+        configs = {"is_host": hosts, **timeouts.configs()}
+    listeners = Listeners(run_id, endpoint, local, rdzv, store, configs, notes,
+                          external=multi_node and external_store)
     with _LOCK:
         _PLANS[run_id] = listeners
     register()
@@ -331,3 +352,42 @@ def create_handler(params):
 def register() -> None:
     """Make :data:`BACKEND` known to torch's handler registry (idempotent)."""
     rendezvous_handler_registry.register(BACKEND, create_handler)
+
+
+# --------------------------------------------------------------------------- a store of its own
+
+
+def serve_store(bind: str, port: int, *, stop: threading.Event | None = None) -> None:
+    """Serve a rendezvous TCPStore on ``bind:port`` until SIGTERM/SIGINT (or ``stop`` is set).
+
+    The same store torch's c10d backend creates on its host node (``_create_tcp_store``:
+    multi-tenant, libuv), on a socket bound to one address as every other listener here. Jobs
+    reach it with ``--rdzv-store external --rdzv-endpoint ADDR:PORT`` on every node; its state is
+    torch's rendezvous state of every job that uses it, under each job's run id.
+    """
+    if is_wildcard(bind):
+        print(f"allhands: warning: --bind {bind} listens on all interfaces: any host that can "
+              f"route here reaches the rendezvous store; only the job secret keeps strangers out "
+              f"of the job", file=sys.stderr, flush=True)
+    sock = bind_socket(bind, port, "rendezvous store")
+    addr, bound = sock.getsockname()[:2]
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        store = dist.TCPStore(_dialable(addr), bound, is_master=True, wait_for_workers=False,
+                              multi_tenant=True, timeout=timedelta(seconds=60),
+                              master_listen_fd=sock.detach())
+    except (RuntimeError, ValueError) as e:
+        raise LaunchError(f"cannot serve the rendezvous store on {_hostport(addr, bound)} ({e})") from None
+    print(f"allhands: listening on {_hostport(addr, bound)} (rendezvous store); serving until "
+          f"stopped (SIGTERM/SIGINT); start each node with --rdzv-store external --rdzv-endpoint "
+          f"{_hostport(_dialable(addr), bound)}; no admission here: the workers prove the job "
+          f"secret", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        del store
+    print("allhands: rendezvous store stopped", file=sys.stderr, flush=True)

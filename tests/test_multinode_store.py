@@ -1,0 +1,147 @@
+"""Losing node 0 for good (issue 4: "if a node does not come back, training continues on the
+remaining nodes"), which the c10d backend cannot survive while node 0's agent hosts the
+rendezvous store: here the store is an ``allhands rendezvous-store`` process on a third lab host
+and both training hosts dial it (``--rdzv-store external``). Every process of the training host
+with node rank 0 (worker rank 0, which also led the first round's worker store) is SIGKILLed after
+the step-4 checkpoint; the other host continues alone at world size 1 from that checkpoint, on
+the same global batches (within float tolerance of the single-process reference), serving the
+next round's worker store itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from allhands.checkpoint import committed
+from allhands.config import load_config
+from allhands.launch import free_port
+from allhands.netlab import Lab, unavailable
+from allhands.rendezvous import plan
+
+from conftest import ALLHANDS, ROOT, TINY
+from test_node_loss import JOB
+from test_parity import assert_matches_reference
+from test_security_network import _listeners
+
+REASON = unavailable()
+needs_lab = pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}")
+TAG, PREFIX = "ahe", "10.64.0"
+STORE = f"{PREFIX}.1:29400"
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with Lab(3, tag=TAG, prefix=PREFIX) as lab:  # the store's host, then two training hosts
+        yield lab
+
+
+def _read(log) -> str:
+    log.seek(0)
+    return log.read()
+
+
+def test_the_store_process_listens_on_its_address_only_and_refuses_bad_input(cli_env):
+    port = free_port()
+    cmd = [*ALLHANDS, "rendezvous-store", "--bind", "127.0.0.1", "--port", str(port)]
+    store = subprocess.Popen(cmd, env=cli_env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = store.stderr.readline()
+            assert line or store.poll() is None, "the store process ended before listening"
+        assert line.startswith(f"allhands: listening on 127.0.0.1:{port} (rendezvous store)")
+        assert _listeners({store.pid}) == [("127.0.0.1", port, store.pid)]
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+        # A second store on the same port: exit 1, one line naming the port and the fix.
+        r = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+            f"allhands: error: port {port} on 127.0.0.1 is in use"), r.stderr
+        store.send_signal(signal.SIGTERM)
+        assert store.wait(timeout=30) == 0
+        assert store.stderr.read().strip().splitlines()[-1] == "allhands: rendezvous store stopped"
+    finally:
+        if store.poll() is None:
+            store.kill()
+            store.wait()
+    bad = {("rendezvous-store", "--bind", "store.example"): "allhands: error: --bind: ",
+           ("train", "--nnodes", "1", "--rdzv-store", "external"):
+               "allhands: error: --rdzv-store: external needs --rdzv-endpoint"}
+    for args, want in bad.items():
+        r = subprocess.run([*ALLHANDS, *args], env=cli_env, capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.strip().startswith(want), r.stderr
+    # A training node with an external store hosts no rendezvous store, node rank 0 included.
+    node0 = plan(run_id="t-external", multi_node=True, node_rank=0, rdzv_endpoint=f"127.0.0.1:{port}",
+                 local_addr="127.0.0.1", bind="", port=0, external_store=True)
+    try:
+        assert node0.rdzv_socket is None and node0.rdzv_configs["is_host"] is False
+        assert node0.store_socket.getsockname()[0] == "127.0.0.1"
+        assert "(external store: allhands rendezvous-store)" in node0.describe()
+    finally:
+        node0.close()
+
+
+@needs_lab
+def test_losing_node_rank_0_for_good_with_an_external_store(lab, token_dir, tmp_path, cli_env):
+    run_dir = tmp_path / "run"
+    # Worker rank 0 (host 1: torch ranks nodes by address) stalls before step 5, so the kill lands
+    # after the step-4 checkpoint; its marker keeps the survivor, rank 0 after the loss, going.
+    # A last call of 5 s: both nodes dial the store before it starts and join within it.
+    sets = [*TINY, *JOB, f"data.path={token_dir}", f"run.dir={run_dir}", "fault.inject=0:5:hang",
+            "fault.rdzv_last_call_s=5"]
+    env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret-" + "x" * 16, OMP_NUM_THREADS="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    logs = {n: open(tmp_path / f"{n}.log", "w+") for n in ("store", "node0", "node1")}
+    nodes = []
+    for rank in (0, 1):
+        host = lab.hosts[rank + 1]
+        cmd = [*ALLHANDS, "train", "--nnodes", "1:2", "--node-rank", str(rank), "--nproc", "1",
+               "--rdzv-store", "external", "--rdzv-endpoint", STORE, "--local-addr", host.addr,
+               *(x for s in sets for x in ("--set", s))]
+        nodes.append(host.popen(cmd, env=env, stdout=logs[f"node{rank}"], stderr=subprocess.STDOUT,
+                                text=True))
+    time.sleep(2)
+    store = lab.hosts[0].popen([*ALLHANDS, "rendezvous-store", "--bind", f"{PREFIX}.1"], env=env,
+                               stdout=logs["store"], stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not any(step >= 4 for step, _ in committed(run_dir / "checkpoints")):
+        assert all(p.poll() is None for p in (*nodes, store)), \
+            "a process ended before the kill: " + _read(logs["node1"])[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint of step 4 in 240 s"
+        time.sleep(0.2)
+    killed = time.monotonic()
+    os.killpg(nodes[0].pid, signal.SIGKILL)  # launcher, torch's agent and the worker of node 0
+    nodes[0].wait()
+    rc = nodes[1].wait(timeout=240)
+    took = time.monotonic() - killed
+    out = _read(logs["node1"])
+    assert rc == 0, out[-3000:]
+    assert f"rendezvous at {STORE} (external store: allhands rendezvous-store)" in out
+    (line,) = [x for x in out.splitlines() if "restart 1/2" in x]
+    assert ("worker rank 1" in line and f"on node {PREFIX}.3 failed: lost node {PREFIX}.2 "
+            "(worker rank 0)" in line and "from checkpoint step 4" in line), line
+    assert (f"node {PREFIX}.2 (worker rank 0) left the job (no keep-alive for "
+            "fault.node_timeout_s=3 s)") in out and "continuing on 1 node(s), world size 1" in out
+    assert "resumed from step 4" in out
+    assert took < 120, f"recovery took {took:.0f} s"
+    done = load_config(run_dir / "config.resolved.toml")
+    assert_matches_reference(done, "2 hosts, then the one that was not node 0")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [len(r["step_time_rank"]) for r in recs if r.get("step") == 8 and "loss" in r] == [1]
+    # The store outlived the job; it listened on its one address and stops cleanly when told.
+    assert store.poll() is None
+    store.send_signal(signal.SIGTERM)
+    assert store.wait(timeout=30) == 0
+    said = _read(logs["store"])
+    assert f"allhands: listening on {STORE} (rendezvous store)" in said, said
+    assert said.strip().splitlines()[-1] == "allhands: rendezvous store stopped", said
