@@ -10,6 +10,7 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 from conftest import ROOT
@@ -162,3 +163,66 @@ def test_kubernetes_manifest_renders_and_parses(tmp_path):
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert {v["name"] for v in pod["volumes"]} == {m["name"] for m in c["volumeMounts"]}
+
+
+def test_slurm_script_can_run_the_rendezvous_store_on_the_batch_host(tmp_path):
+    """RDZV_STORE=batch: the batch host serves only the store (on its own address), the other
+    nodes train as --rdzv-store external clients with node ranks 0..N-2, and the store is stopped
+    when the script ends."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log, flags = tmp_path / "calls", tmp_path / "srun-flags"
+    _stub(bin_dir, "scontrol", '[ "$1 $2" = "show hostnames" ] && printf "gpu-a17\\ngpu-a18\\ngpu-a19\\n"\n')
+    _stub(bin_dir, "getent", '[ "$2" = "gpu-a17" ] && echo "10.9.0.17 STREAM gpu-a17"\n')
+    # As Slurm: --nodes=K --relative=1 runs K tasks on the nodes after the first.
+    _stub(bin_dir, "srun", f'n=$SLURM_NNODES; rel=0\nwhile [[ "$1" == --* ]]; do echo "$1" >> {flags}\n'
+          '  case "$1" in --nodes=*) n=${1#--nodes=};; --relative=*) rel=${1#--relative=};; esac; shift\ndone\n'
+          'for i in $(seq 0 $((n - 1))); do\n'
+          '  SLURM_PROCID=$i SLURM_NODEID=$((i + rel)) LOCAL_ADDR=10.9.0.$((17 + rel + i)) "$@" || exit 1\ndone\n')
+    _stub(bin_dir, "fake-allhands", f'echo "$*" >> {log}\n'
+          f'[ "$1" = rendezvous-store ] && echo $$ > {tmp_path / "store.pid"} && exec sleep 60\ntrue\n')
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-a[17-19]",
+               SLURM_NNODES="3", SLURM_GPUS_ON_NODE="8", CONFIG="job.toml", RUN_DIR="/shared/r1",
+               ALLHANDS=str(bin_dir / "fake-allhands"), ALLHANDS_SECRET="s", RDZV_STORE="batch",
+               NNODES_MIN="1")
+    r = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert log.read_text().splitlines() == ["rendezvous-store --bind 10.9.0.17 --port 29400"] + [
+        f"train job.toml --nnodes 1:2 --node-rank {i} --nproc 8 --rdzv-endpoint 10.9.0.17:29400 "
+        f"--rdzv-store external --local-addr 10.9.0.{18 + i} --set run.dir=/shared/r1" for i in range(2)]
+    assert flags.read_text().split() == ["--kill-on-bad-exit=0", "--ntasks-per-node=1", "--nodes=2",
+                                         "--relative=1"]
+    pid = int((tmp_path / "store.pid").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # killed by the EXIT trap
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    # One node cannot both serve the store and train.
+    r = subprocess.run(["bash", str(SBATCH)], env=dict(env, SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu-a17"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "RDZV_STORE=batch needs --nodes=2" in r.stderr
+
+
+K8S_STORE = ROOT / "examples" / "k8s" / "allhands-rendezvous-store.yaml"
+
+
+def test_kubernetes_store_manifest_renders_parses_and_matches_the_job(tmp_path):
+    text = render(K8S_STORE.read_text())
+    svc, dep = parse_manifests(text)
+    try:
+        import yaml
+
+        assert list(yaml.safe_load_all(text)) == [svc, dep]
+    except ImportError:
+        pass
+    assert svc["kind"] == "Service" and svc["metadata"]["name"] == "job1-rdzv"
+    assert dep["kind"] == "Deployment" and dep["spec"]["replicas"] == 1
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"] == labels == dep["spec"]["selector"]["matchLabels"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "reg/allhands:1"
+    assert c["args"] == ["exec allhands rendezvous-store --bind $POD_IP --port 29400"]
+    assert svc["spec"]["ports"][0]["targetPort"] == c["ports"][0]["containerPort"] == 29400
+    # The job manifest says how its pods reach this store, by the Service's name.
+    job_text = render(K8S.read_text())
+    assert f"--rdzv-store external --rdzv-endpoint {svc['metadata']['name']}:29400" in job_text
