@@ -21,7 +21,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                    help="nodes in the job (default 1); MIN:MAX lets it continue on fewer nodes")
     g.add_argument("--node-rank", type=int, default=0,
-                   help="this node's rank; node 0 hosts the rendezvous")
+                   help="this node's rank; node 0 hosts the rendezvous (unless --rdzv-store "
+                        "external)")
     g.add_argument("--rdzv-endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous on node 0 (multi-node), or of the "
                         "`allhands rendezvous-store` process with --rdzv-store external")

@@ -17,9 +17,10 @@ Where the rendezvous store lives. torch's c10d backend keeps it in the agent of 
 (``is_host``; ours: ``--node-rank 0``), so that node is the one the job cannot lose; torch's docs
 point to etcd for a store that survives its nodes, but both of torch 2.13's etcd backends
 (``etcd``, ``etcd-v2``) speak etcd's v2 API through python-etcd, which current etcd releases no
-longer serve by default, and neither etcd nor python-etcd is installed here. The c10d way to the same end is the same
-TCPStore in a process of its own, on a host that does not train: :func:`serve_store` (``allhands
-rendezvous-store``), with every training node a client (``--rdzv-store external``). The rendezvous
+longer serve by default, and neither etcd nor python-etcd is installed here. The c10d way to the
+same end is the same TCPStore in a process of its own, on a host that does not train:
+:func:`serve_store` (``allhands rendezvous-store``), with every training node a client
+(``--rdzv-store external``). The rendezvous
 state (rounds, participants, keep-alives) lives in that store and nowhere else, and the worker
 store is created per round by whichever node leads it (NarrowRendezvousHandler), so after node 0
 is lost for good the survivors re-rendezvous without it and one of them serves the next worker
