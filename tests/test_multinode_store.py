@@ -14,16 +14,16 @@ import os
 import signal
 import subprocess
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch.distributed as dist
 
 from allhands.checkpoint import committed
 from allhands.config import load_config
-from allhands.launch import free_port
+from allhands.launch import LaunchSpec, _default_run_id, free_port
 from allhands.netlab import Lab, unavailable
-from allhands.rendezvous import plan
+from allhands.rendezvous import CheckedBackend, plan
 
 from conftest import ALLHANDS, ROOT, TINY
 from test_node_loss import JOB
@@ -79,6 +79,9 @@ def test_the_store_process_listens_on_its_address_only_and_refuses_bad_input(cli
         r = subprocess.run([*ALLHANDS, *args], env=cli_env, capture_output=True, text=True,
                            timeout=120, cwd=ROOT)
         assert r.returncode == 2 and r.stderr.strip().startswith(want), r.stderr
+    # One external store may serve several jobs: their rendezvous run ids differ by run directory.
+    ext = LaunchSpec(nnodes=2, rdzv_endpoint="10.0.0.9:29400", rdzv_store="external")
+    assert _default_run_id(ext, "/shared/a") != _default_run_id(ext, "/shared/b")
     # A training node with an external store hosts no rendezvous store, node rank 0 included.
     node0 = plan(run_id="t-external", multi_node=True, node_rank=0, rdzv_endpoint=f"127.0.0.1:{port}",
                  local_addr="127.0.0.1", bind="", port=0, external_store=True)
@@ -88,6 +91,50 @@ def test_the_store_process_listens_on_its_address_only_and_refuses_bad_input(cli
         assert "(external store: allhands rendezvous-store)" in node0.describe()
     finally:
         node0.close()
+
+
+class _Payload:
+    """Unpickled, it would create the file named (what a crafted state could do to a launcher)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_a_crafted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_path):
+    """torch's handler unpickles the rendezvous state from the store in every launcher; whoever
+    reaches the store can write it. A genuine state passes the check, a crafted one is refused
+    in one line and its payload never runs."""
+    import base64
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousSettings, RendezvousTimeout, _BackendRendezvousStateHolder, _NodeDesc,
+        _RendezvousState)
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    backend = CheckedBackend(C10dRendezvousBackend(store, "t-state"), "127.0.0.1:1")
+    genuine = _RendezvousState()
+    genuine.participants[_NodeDesc("10.0.0.1", 7, 0)] = 0
+    genuine.last_heartbeats[_NodeDesc("10.0.0.1", 7, 0)] = datetime.now(timezone.utc)
+    genuine.deadline = datetime.now(timezone.utc)
+    state, token, ok = backend.set_state(pickle.dumps(genuine))
+    assert ok and pickle.loads(backend.get_state()[0]).participants == genuine.participants
+    marker = tmp_path / "payload-ran"
+    store.set("torch.rendezvous.t-state", base64.b64encode(pickle.dumps(_Payload(marker))))
+    with pytest.raises(RendezvousStateError, match=r"^refused the rendezvous state in the store at "
+                       r"127.0.0.1:1: it is not torch's \(UnpicklingError: it names io.open\)"):
+        backend.get_state()
+    # Through torch's own state holder, as a launcher syncs it.
+    settings = RendezvousSettings("t-state", 1, 1, RendezvousTimeout(), timedelta(seconds=5), 3)
+    holder = _BackendRendezvousStateHolder(backend, settings)
+    with pytest.raises(RendezvousStateError):
+        holder.sync()
+    assert not marker.exists()
 
 
 @needs_lab

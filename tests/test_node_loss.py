@@ -145,7 +145,7 @@ def test_multi_node_restart_limit_stops_every_node_with_one_line_each(lab, token
         "gave up after 1 restart(s) (fault.max_restarts=1)" in last, last
     # Node 1's worker only saw its peer vanish; its lines say which node that was.
     assert "failed: lost node 10.61.0.1 (worker rank 0): gloo: " in out1, out1[-2000:]
-    assert "gave up after 1 restart(s)" in out1.strip().splitlines()[-1]
+    assert "gave up after 1 restart(s)" in out1.strip().splitlines()[-1], out1[-3000:]
     events = [json.loads(x) for x in (run_dir / "logs" / "restarts.jsonl").read_text().splitlines()]
     assert sorted((e["node"], e["verdict"]) for e in events) == [
         ("10.61.0.1", "give_up"), ("10.61.0.1", "restart"), ("10.61.0.2", "give_up"), ("10.61.0.2", "restart")]

@@ -339,11 +339,13 @@ def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
                 os.environ[k] = v
 
 
-def _default_run_id(spec: LaunchSpec) -> str:
+def _default_run_id(spec: LaunchSpec, run_dir: str = "") -> str:
     """Every node of one job must present the same rendezvous run id; a single node needs a
-    fresh one so that a stale store entry can never be mistaken for this job's."""
+    fresh one so that a stale store entry can never be mistaken for this job's. An external
+    store may serve several jobs at one endpoint: their run directories keep them apart."""
     if spec.multi_node:
-        return "allhands-" + hashlib.sha256(spec.rdzv_endpoint.encode()).hexdigest()[:12]
+        key = spec.rdzv_endpoint + ("\0" + run_dir if run_dir else "")
+        return "allhands-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return uuid.uuid4().hex[:12]
 
 
@@ -443,6 +445,8 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
                               f"{nodes} node(s) x {spec.nproc} workers)") from None
     print(f"allhands: run directory {cfg.run.dir} ({spec.nnodes} node(s) x {spec.nproc} worker(s))",
           file=sys.stderr, flush=True)
+    if spec.rdzv_store == "external" and not spec.run_id:
+        spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
     launch(_worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))

@@ -11,7 +11,8 @@ result with torch's ``rendezvous_handler_registry`` as :data:`BACKEND`.
 
 The sockets are bound in the launcher before ``elastic_launch`` (so a busy port is one clear
 error, and there is no window between choosing a free port and binding it) and looked up by run
-id when torch asks the registry for the handler.
+id when torch asks the registry for the handler. The backend is wrapped (:class:`CheckedBackend`)
+because torch unpickles the rendezvous state it reads from a store anyone reachable can write.
 
 Where the rendezvous store lives. torch's c10d backend keeps it in the agent of one node
 (``is_host``; ours: ``--node-rank 0``), so that node is the one the job cannot lose; torch's docs
@@ -30,7 +31,9 @@ store.
 from __future__ import annotations
 
 import errno
+import io
 import ipaddress
+import pickle
 import signal
 import socket
 import sys
@@ -42,11 +45,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError, RendezvousInfo, RendezvousStoreInfo,
+    RendezvousConnectionError, RendezvousInfo, RendezvousStateError, RendezvousStoreInfo,
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler, RendezvousTimeout,
+    DynamicRendezvousHandler, RendezvousBackend, RendezvousTimeout,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -307,6 +310,57 @@ class NarrowRendezvousHandler(DynamicRendezvousHandler):
         return BACKEND  # torch's registry checks that the handler names the backend asked for
 
 
+# What torch pickles as the rendezvous state (``_RendezvousState``: node descriptors, datetimes of
+# the deadline and keep-alives), found by pickling a full state; nothing else may be resolved.
+_STATE_GLOBALS = frozenset({
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
+})
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _STATE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+class CheckedBackend(RendezvousBackend):
+    """torch's C10dRendezvousBackend, with every state it reads checked before torch sees it.
+
+    torch's state holder (``_BackendRendezvousStateHolder.sync``) runs plain ``pickle.loads`` on
+    the state in the store, in every node's launcher, and anyone who reaches a store can write it
+    (SECURITY.md): a crafted state would run code there. Each state read is first unpickled with
+    :class:`_StateUnpickler`, which resolves only the classes torch's state is made of, so what
+    torch then loads can construct nothing else; a state that fails is refused in one line.
+    """
+
+    def __init__(self, inner: RendezvousBackend, endpoint: str):
+        self._inner, self._endpoint = inner, endpoint
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    def _checked(self, result):
+        if result is not None:
+            try:
+                _StateUnpickler(io.BytesIO(result[0])).load()
+            except Exception as e:  # any malformed pickle, not only a forbidden global
+                raise RendezvousStateError(
+                    f"refused the rendezvous state in the store at {self._endpoint}: it is not "
+                    f"torch's ({type(e).__name__}: {e}); something other than this job's "
+                    f"launchers wrote it: keep the store's address private (SECURITY.md)") from None
+        return result
+
+    def get_state(self):
+        return self._checked(self._inner.get_state())
+
+    def set_state(self, state: bytes, token=None):
+        return self._checked(self._inner.set_state(state, token))
+
+
 def _rendezvous_store(params, listeners: Listeners):
     """The rendezvous TCPStore: served from our socket on the host node, dialled elsewhere.
 
@@ -333,7 +387,7 @@ def create_handler(params):
         raise LaunchError(f"no listeners were bound for run {params.run_id}; start jobs with "
                           f"allhands.launch.launch")
     store = _rendezvous_store(params, listeners)
-    backend = C10dRendezvousBackend(store, params.run_id)
+    backend = CheckedBackend(C10dRendezvousBackend(store, params.run_id), params.endpoint)
 
     def seconds(key: str) -> timedelta | None:
         value = params.get_as_int(key)
