@@ -32,11 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.futures import Future
 
 from allhands.errors import CheckpointError, ConfigError, first_line
-from allhands.security import SafeFileSystemReader, checkpoint_error_from, verify_manifest, write_manifest
+from allhands.security import (SafeFileSystemReader, checkpoint_error_from, file_digest, verify_manifest,
+                               write_manifest)
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # allhands.json in every checkpoint: the format version, the step and the resolved config.
@@ -238,9 +241,45 @@ def _fsync_dir(path: Path) -> None:
 WRITER_NICE = 19
 
 
+# torch.save's zip records each carry a CRC-32, which torch.load never checks (torch 2.13: a
+# tensor file with a flipped byte loads silently, wrong). allhands' check is the manifest's
+# SHA-256 of every file, verified before any load, so in the checkpoint writer the CRC is pure
+# cost: ~0.35 ms per MiB, ~7 ms per rank per save of the bench state. torch reads the switch
+# from one process-wide config, so allhands wraps the function torch.save asks and answers
+# False only in a thread that is writing a checkpoint; every other torch.save is unchanged.
+_IN_WRITER = threading.local()
+
+
+def _install_crc32_switch() -> None:
+    torch_get = getattr(torch.serialization, "get_crc32_options", None)
+    if torch_get is None or getattr(torch_get, "allhands_switch", False):
+        return  # another torch (the CRC stays on), or installed already
+
+    def get_crc32_options() -> bool:
+        return False if getattr(_IN_WRITER, "active", False) else torch_get()
+
+    get_crc32_options.allhands_switch = True  # type: ignore[attr-defined]
+    get_crc32_options.__doc__ = torch_get.__doc__
+    torch.serialization.get_crc32_options = get_crc32_options
+
+
+_install_crc32_switch()
+
+
+@dataclass
+class _FileDigests:
+    """Sizes and SHA-256 of the files one rank wrote, sent to the coordinator with that rank's
+    write results (DCP gathers them before it writes ``.metadata``); rank 0's commit puts them
+    into the manifest instead of re-hashing every rank's files itself."""
+
+    files: dict[str, tuple[int, str]]
+
+
 class _Writer(FileSystemWriter):
-    """DCP's file writer (fsyncs every file) with an optional hook run after this rank's files
-    are written: the ``ckpt`` fault kills the worker there, i.e. mid-checkpoint.
+    """DCP's file writer (fsyncs every file) that also hashes the files this rank wrote, right
+    after writing them (from the page cache, in this rank's writer thread), and hands the
+    digests to the coordinator (``digests`` after ``finish``). Optional hook run after this
+    rank's files are written: the ``ckpt`` fault kills the worker there, i.e. mid-checkpoint.
 
     ``background``: this writer runs in DCP's upload thread (async save), which it moves to
     ``WRITER_NICE`` first. Linux applies niceness per thread, and DCP starts a fresh upload
@@ -250,6 +289,7 @@ class _Writer(FileSystemWriter):
         super().__init__(path, sync_files=True)
         self._after_write = after_write
         self._background = background
+        self.digests: dict[str, tuple[int, str]] | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         if self._background and threading.current_thread() is not threading.main_thread():
@@ -260,11 +300,48 @@ class _Writer(FileSystemWriter):
         super().reset(checkpoint_id)
 
     def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)
+        _IN_WRITER.active = True
+        try:
+            fut = super().write_data(plan, planner)
+            fut.wait()  # FileSystemWriter writes before it returns; this only re-raises
+        finally:
+            _IN_WRITER.active = False
+        results = fut.value()
+        names = sorted({r.storage_data.relative_path for r in results})
+        digests = _FileDigests({n: file_digest(Path(self.path) / n) for n in names})
         if self._after_write is not None:
-            fut.wait()
             self._after_write()
-        return fut
+        out: Future = Future()
+        out.set_result([*results, digests])
+        return out
+
+    def finish(self, metadata, results) -> None:
+        """Coordinator: split every rank's digests from its write results, then DCP's finish."""
+        self.digests, plain = {}, []
+        for rank_results in results:
+            plain.append([r for r in rank_results if not isinstance(r, _FileDigests)])
+            for r in rank_results:
+                if isinstance(r, _FileDigests):
+                    self.digests.update(r.files)
+        super().finish(metadata, plain)
+
+
+def _save_planner(key: str) -> DefaultSavePlanner:
+    """DCP's planner with its plan cache on, keyed by one Checkpointer.
+
+    Without it every save repeats the whole global planning in the writer thread: each rank
+    pickles its local plan (one WriteItem per tensor, ~260 for the bench state) for a gather to
+    rank 0, which dedups, builds the metadata and pickles a plan per rank back (~65 ms of rank
+    0's CPU per save, BENCHMARKS.md). The state's keys, shapes and owners do not change between
+    saves, so from the second save on each rank compares its new plan with its cached one and
+    sends an empty one, and rank 0 reuses its cached global plan and metadata (DCP recomputes the
+    storage part of the metadata from every save's write results). A rank whose plan changed
+    (a new key or shape) sends it and rank 0 replans. DCP keys the cache by a string in a
+    class-level dict; one key per Checkpointer keeps two checkpointers of one process (e.g. a
+    model and an eval state) from sharing plans."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner
 
 
 @dataclass
@@ -275,6 +352,7 @@ class _Pending:
     tmp: Path
     final: Path
     future: Any
+    writer: _Writer
     committed: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -316,6 +394,7 @@ class Checkpointer:
         self._copier: Any = None
         self._staging: Any = None  # the copy to host memory of the save in flight (async)
         self._prepared = False
+        self._plan_key = f"allhands.Checkpointer {id(self)} {self.dir} {mode}"
 
     @property
     def in_flight(self) -> bool:
@@ -356,23 +435,25 @@ class Checkpointer:
         else:
             self._wait_here()
         hook = self.writer_hook(step) if self.writer_hook else None
+        writer = _Writer(tmp, hook, background=self.mode != "sync")
         try:
             if self.mode == "sync":
-                dcp.save(state, storage_writer=_Writer(tmp, hook))
+                dcp.save(state, storage_writer=writer, planner=_save_planner(self._plan_key))
                 _barrier()
                 if self.rank == 0:
-                    self._commit(step, tmp, final)
+                    self._commit(step, tmp, final, writer.digests)
                 _barrier()
                 return
-            resp = dcp.async_save(self._snapshot(state), storage_writer=_Writer(tmp, hook, background=True),
-                                  process_group=self.group, async_stager=self._stager_once())
+            resp = dcp.async_save(self._snapshot(state), storage_writer=writer,
+                                  planner=_save_planner(self._plan_key), process_group=self.group,
+                                  async_stager=self._stager_once())
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             self._failed(step, tmp, e)
             return
         self._staging, fut = resp.staging_completion, resp.upload_completion
-        pending = _Pending(step, tmp, final, fut)
+        pending = _Pending(step, tmp, final, fut, writer)
         if self.rank == 0:
             fut.add_done_callback(lambda _f, p=pending: self._commit_when_written(p))
         self._pending = pending
@@ -423,19 +504,22 @@ class Checkpointer:
         """Rank 0, in DCP's writer thread once every rank's write and .metadata are done."""
         try:
             p.future.result()
-            self._commit(p.step, p.tmp, p.final)
+            self._commit(p.step, p.tmp, p.final, p.writer.digests)
         except BaseException as e:  # recorded; wait()/poll() report it in the training thread
             p.error = e
         finally:
             p.committed.set()
 
-    def _commit(self, step: int, tmp: Path, final: Path) -> None:
+    def _commit(self, step: int, tmp: Path, final: Path,
+                digests: dict[str, tuple[int, str]] | None = None) -> None:
         (tmp / META_NAME).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **self.meta},
                                                 indent=1) + "\n")
         # DCP fsynced its data files and .metadata (sync_files=True); write_manifest fsyncs the
         # manifest and the directory, so only allhands.json is left.
         _fsync_file(tmp / META_NAME)
-        write_manifest(tmp)  # sizes and SHA-256 of every file, checked on resume
+        # Sizes and SHA-256 of every file, checked on resume; each rank hashed its own data files
+        # in its writer (``digests``), so only .metadata and allhands.json are hashed here.
+        write_manifest(tmp, digests)
         if final.exists():  # re-saving the same step after a restart
             shutil.rmtree(final)
         os.rename(tmp, final)
