@@ -326,6 +326,51 @@ class _Writer(FileSystemWriter):
         super().finish(metadata, plain)
 
 
+class _DeferredStager:
+    """The stager handed to ``dcp.async_save``: it only records the state dict and returns a
+    future; ``start`` (called by ``Checkpointer.save`` just before it returns) hands it to the
+    real stager's thread. Started inside ``async_save``, the copy's Python traversal would take
+    the GIL (held up to the 5 ms switch interval at a time) while the training thread still sets
+    up the upload thread, which lengthens the stall; started last, it overlaps only the next
+    forward/backward, as intended. The upload thread waits on the future either way."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self, stager: Any):
+        self.stager = stager
+        self._pending: tuple[Any, Any] | None = None  # (state dict, concurrent.futures.Future)
+
+    def stage(self, state_dict: Any) -> Any:
+        from concurrent.futures import Future as CFuture
+
+        self._pending = (state_dict, CFuture())
+        return self._pending[1]
+
+    def synchronize_staging(self) -> None:  # the trainer synchronizes: Checkpointer.before_update
+        pass
+
+    def start(self, error: BaseException | None = None) -> None:
+        """Start the recorded copy, or fail its future with ``error`` (so no upload thread
+        waits for a copy that never comes)."""
+        if self._pending is None:
+            return
+        state_dict, fut = self._pending
+        self._pending = None
+        if error is not None:
+            fut.set_exception(error)
+            return
+        try:
+            inner = self.stager.stage(state_dict)
+        except BaseException as e:  # the upload fails with it: a failed save, reported as such
+            fut.set_exception(e)
+            return
+        inner.add_done_callback(lambda g: fut.set_exception(g.exception()) if g.exception() is not None
+                                else fut.set_result(g.result()))
+
+    def close(self) -> None:
+        self.start(RuntimeError("the checkpointer was closed before the copy started"))
+
+
 def _save_planner(key: str) -> DefaultSavePlanner:
     """DCP's planner with its plan cache on, keyed by one Checkpointer.
 
@@ -436,6 +481,7 @@ class Checkpointer:
             self._wait_here()
         hook = self.writer_hook(step) if self.writer_hook else None
         writer = _Writer(tmp, hook, background=self.mode != "sync")
+        deferred: _DeferredStager | None = None
         try:
             if self.mode == "sync":
                 dcp.save(state, storage_writer=writer, planner=_save_planner(self._plan_key))
@@ -444,10 +490,13 @@ class Checkpointer:
                     self._commit(step, tmp, final, writer.digests)
                 _barrier()
                 return
+            deferred = _DeferredStager(self._stager_once())
             resp = dcp.async_save(self._snapshot(state), storage_writer=writer,
                                   planner=_save_planner(self._plan_key), process_group=self.group,
-                                  async_stager=self._stager_once())
+                                  async_stager=deferred)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if deferred is not None:
+                deferred.close()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             self._failed(step, tmp, e)
@@ -457,6 +506,7 @@ class Checkpointer:
         if self.rank == 0:
             fut.add_done_callback(lambda _f, p=pending: self._commit_when_written(p))
         self._pending = pending
+        deferred.start()  # last: the copy overlaps the next forward/backward, not this call
 
     def _stager_once(self):
         """One stager for the whole run: it keeps its host buffers (pinned on CUDA) between saves.
