@@ -48,7 +48,7 @@ def worker(cfg_dict: dict, rounds: int, intervals: list[int], blocks: int, nice0
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import allhands.checkpoint as ckpt_mod
+    import allhands.checkpoint_io as ckpt_mod  # WRITER_NICE: read by each save's writer
     from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState
     from allhands.config import Config
     from allhands.data import load_token_splits
@@ -143,10 +143,11 @@ def main() -> None:
     ap.add_argument("--intervals", default="20,50,100", help="save every N steps, comma-separated")
     ap.add_argument("--blocks", type=int, default=1, help="saves per series")
     ap.add_argument("--nice0", action="store_true", help="also run the writer at nice 0 (async0)")
+    ap.add_argument("--interval", type=int, help="one N: the same as --intervals N (older runs' command)")
     args = ap.parse_args()
-    intervals = [int(n) for n in args.intervals.split(",")]
+    intervals = [args.interval] if args.interval else [int(n) for n in args.intervals.split(",")]
 
-    from allhands.checkpoint import WRITER_NICE
+    from allhands.checkpoint_io import WRITER_NICE
     from allhands.config import load_config
     from allhands.launch import LaunchSpec, launch, resolve_run
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import allhands.security as security
-from allhands.checkpoint import _IN_WRITER, Checkpointer, ModelOptimState, TrainState
+from allhands.checkpoint import Checkpointer, ModelOptimState, TrainState
+from allhands.checkpoint_io import IN_WRITER
 from allhands.errors import CheckpointError
 from allhands.security import MANIFEST_NAME, file_digest, verify_manifest, write_manifest
 
@@ -34,13 +35,13 @@ def test_only_the_checkpoint_writer_thread_skips_the_zip_crc():
     seen = {}
 
     def writer():
-        _IN_WRITER.active = True
+        IN_WRITER.active = True
         try:
             seen["writer"] = _saved(t)
             seen["other"] = None
             done.wait(5)  # another thread saves while this one is still a writer
         finally:
-            _IN_WRITER.active = False
+            IN_WRITER.active = False
 
     done = threading.Event()
     th = threading.Thread(target=writer)
