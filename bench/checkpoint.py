@@ -2,29 +2,33 @@
 checkpointing every N steps.
 
 Two gloo ranks train the reference GPT with DDP + AdamW (the allhands state: model, optimizer,
-step, RNG) and save through allhands' Checkpointer. Each round runs four series of
-``--blocks`` x ``--interval`` steps in the same processes: no save (baseline), an async save after
-each block (the series ends when its last write is committed), the same with the writer thread
-at nice 0 instead of allhands' ``WRITER_NICE`` ("async0", to show what the lower priority buys),
-and sync saves. The order rotates from round to round, so machine noise and warm-up hit all
-alike; figures are medians over the rounds, overheads the median of per-round paired ratios. One save per mode before the rounds prepares the
-directories and the host buffers. Figures:
+step, RNG) and save through allhands' Checkpointer. Each round runs, in the same processes, for
+every N in ``--intervals`` a series of ``--blocks`` x N steps with no save (``base@N``) and one
+with an async save after each block (``async@N``; the series ends when its last write is
+committed), plus, at the first N only, sync saves (``sync@N``, for the stall ratio, which does not
+depend on N) and with ``--nice0`` the writer thread at nice 0 instead of allhands'
+``WRITER_NICE`` (``async0@N``). The order rotates from round to round, so machine noise and
+warm-up hit all alike; figures are medians over the rounds, overheads the median of per-round
+paired ratios (wall time, and CPU time of both ranks' processes, all threads, which other jobs on
+the machine inflate far less). One save per mode before the rounds prepares the directories, the
+host buffers and DCP's plan cache. Figures:
 
 - stall: wall time the training thread is blocked by a save: inside ``Checkpointer.save`` (sync:
   the whole DCP write, manifest, fsync and rename; async: taking the state dicts, plus any wait
   for the previous save, which the one-in-flight rule imposes) plus, async, the wait in
   ``before_update`` for the rest of the copy to host memory. Target: sync / async >= 10.
-- overhead: (series time with async saves - baseline series time) / baseline series time: a save
-  every ``--interval`` steps. Target <= 2%. Also printed: the cost of one save that this implies
-  (seconds) and the interval ``checkpoint.max_overhead`` would pick from it for a 2% bound.
+- overhead: (series time with async saves - baseline series time) / baseline series time, for a
+  save every N steps. Target <= 2%. Also printed: the cost of one save that this implies (CPU
+  seconds and wall seconds) and the interval ``checkpoint.max_overhead=0.02`` would pick from it.
 
-    python bench/checkpoint.py [--rounds 6] [--interval 20] [--blocks 2]
+    python bench/checkpoint.py [--rounds 4] [--intervals 20,50,100] [--blocks 1] [--nice0]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -37,14 +41,14 @@ sys.path.insert(0, str(ROOT / "src"))
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.seq_len=64"]
 
 
-def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) -> None:
+def worker(cfg_dict: dict, rounds: int, intervals: list[int], blocks: int, nice0: bool, out: str) -> None:
     import json
 
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import allhands.checkpoint as ckpt_mod
+    import allhands.checkpoint_io as ckpt_mod  # WRITER_NICE: read by each save's writer
     from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState
     from allhands.config import Config
     from allhands.data import load_token_splits
@@ -84,17 +88,23 @@ def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) ->
             ts.step += 1
 
     nice = {"async": ckpt_mod.WRITER_NICE, "async0": 0}
+    modes = ("sync", "async", "async0") if nice0 else ("sync", "async")
     ckpts = {m: Checkpointer(Path(out) / m, rank=mesh.rank, keep_last=1, mode=m[:5],
                              group=mesh.checkpoint_group() if m != "sync" else None)
-             for m in ("sync", "async", "async0")}
+             for m in modes}
     steps(3)  # warm-up: optimizer state exists, so every save has the same size
     for c in ckpts.values():  # each Checkpointer's first save also prepares the directory
         c.save(ts.step, state)
         c.wait()
-    order = ("base", "async", "async0", "sync")
-    res: dict[str, list[float]] = {k: [] for m in order for k in (m, f"stall_{m}", f"cpu_{m}")}
+    # Series "<mode>@<N>": base and async at every interval; sync (and async0) at the first only,
+    # for the stall ratio, which does not depend on N.
+    order = [f"{m}@{n}" for n in intervals for m in ("base", "async")]
+    order += [f"{m}@{intervals[0]}" for m in modes if m != "async"]
+    res: dict[str, list[float]] = {k: [] for s in order for k in (s, f"stall_{s}", f"cpu_{s}")}
     for r in range(rounds):
-        for mode in order[r % 4:] + order[:r % 4]:
+        k = r % len(order)
+        for series in order[k:] + order[:k]:
+            mode, interval = series.split("@")[0], int(series.split("@")[1])
             ckpt = ckpts.get(mode)
             ckpt_mod.WRITER_NICE = nice.get(mode, ckpt_mod.WRITER_NICE)  # read by each save's writer
             t0, c0 = time.perf_counter(), time.process_time()  # process CPU: every thread's
@@ -103,22 +113,23 @@ def worker(cfg_dict: dict, rounds: int, interval: int, blocks: int, out: str) ->
                 steps(interval, ckpt)
                 if ckpt is not None:
                     if b:  # what of the previous save's copy did not overlap these steps
-                        res[f"stall_{mode}"][-1] += waited[0] - w0
+                        res[f"stall_{series}"][-1] += waited[0] - w0
                     s0 = time.perf_counter()
                     ckpt.save(ts.step, state)
-                    res[f"stall_{mode}"].append(time.perf_counter() - s0)
+                    res[f"stall_{series}"].append(time.perf_counter() - s0)
             if ckpt is not None:
                 w0 = time.perf_counter()
                 ckpt.before_update()  # the last save's copy belongs to this series' stall
-                res[f"stall_{mode}"][-1] += time.perf_counter() - w0
+                res[f"stall_{series}"][-1] += time.perf_counter() - w0
                 ckpt.wait()  # and its write to this series' time
-            res[mode].append(time.perf_counter() - t0)
-            res[f"cpu_{mode}"].append(time.process_time() - c0)
+            res[series].append(time.perf_counter() - t0)
+            res[f"cpu_{series}"].append(time.process_time() - c0)
     for c in ckpts.values():
         c.close()
         assert c.failures == 0, c.warnings
     if mesh.rank == 0:
-        size = sum(p.stat().st_size for p in next(iter((Path(out) / "async").glob("step-*"))).rglob("*"))
+        size = sum(p.stat().st_size for p in next(iter((Path(out) / "async").glob("step-*"))).rglob("*")
+                   if p.name != "manifest.json")
         res["bytes"] = [float(size)]
     Path(out, f"result-{mesh.rank}.json").write_text(json.dumps(res))
     mesh.destroy()
@@ -128,12 +139,15 @@ def main() -> None:
     import json
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--interval", type=int, default=20)
-    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--intervals", default="20,50,100", help="save every N steps, comma-separated")
+    ap.add_argument("--blocks", type=int, default=1, help="saves per series")
+    ap.add_argument("--nice0", action="store_true", help="also run the writer at nice 0 (async0)")
+    ap.add_argument("--interval", type=int, help="one N: the same as --intervals N (older runs' command)")
     args = ap.parse_args()
+    intervals = [args.interval] if args.interval else [int(n) for n in args.intervals.split(",")]
 
-    from allhands.checkpoint import WRITER_NICE
+    from allhands.checkpoint_io import WRITER_NICE
     from allhands.config import load_config
     from allhands.launch import LaunchSpec, launch, resolve_run
 
@@ -141,37 +155,49 @@ def main() -> None:
     cfg = load_config(overrides=[*MODEL, "run.global_batch=16", f"run.dir={out}/resolve",
                                  "log.progress=false", "log.tensorboard=false"])
     cfg = resolve_run(cfg, resume=None, world_size=2)
-    launch(worker, (cfg.to_dict(), args.rounds, args.interval, args.blocks, out), LaunchSpec(nproc=2))
+    load0 = os.getloadavg()[0]
+    launch(worker, (cfg.to_dict(), args.rounds, intervals, args.blocks, args.nice0, out), LaunchSpec(nproc=2))
     r = json.loads(Path(out, "result-0.json").read_text())
     r1 = json.loads(Path(out, "result-1.json").read_text())
-    cpu = {m: [a + b for a, b in zip(r[f"cpu_{m}"], r1[f"cpu_{m}"])] for m in ("base", "async", "async0", "sync")}
+    n0 = intervals[0]
+    modes = ["sync", "async", "async0"] if args.nice0 else ["sync", "async"]
+    cpu = {k[4:]: [a + b for a, b in zip(r[k], r1[k])] for k in r if k.startswith("cpu_")}
     med = {k: statistics.median(v) for k, v in r.items() if v}
+    stall_async = statistics.median(v for n in intervals for v in r[f"stall_async@{n}"])
+    print(f"rounds={args.rounds} intervals={args.intervals} blocks={args.blocks} ranks=2 model={' '.join(MODEL)} "
+          f"global_batch=16 checkpoint={r['bytes'][0] / 2**20:.1f} MiB on disk; writer at nice {WRITER_NICE}"
+          f"{' (async0: nice 0)' if args.nice0 else ''}; load average {load0:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print("stall per save (s): sync " + " ".join(f"{v:.4f}" for v in r[f"stall_sync@{n0}"]))
+    for m in modes[1:]:
+        for n in (intervals if m == "async" else [n0]):
+            print(f"stall per save (s): {m}@{n} " + " ".join(f"{v:.4f}" for v in r[f"stall_{m}@{n}"]))
+    print(f"median stall per save: sync {med[f'stall_sync@{n0}']:.3f} s, async {stall_async:.4f} s (all "
+          f"intervals); ratio sync/async = {med[f'stall_sync@{n0}'] / stall_async:.1f}x (target >= 10)")
     # Paired per round: a round's series ran back to back, so drift cancels within it.
-    over = {m: statistics.median((x - b) / b for x, b in zip(r[m], r["base"])) for m in ("async", "async0", "sync")}
-    step = med["base"] / args.interval / args.blocks
-    cost = over["async"] * args.interval * step  # seconds one async save adds to training
-    print(f"rounds={args.rounds} interval={args.interval} steps ranks=2 model={' '.join(MODEL)} "
-          f"global_batch=16 checkpoint={r['bytes'][0] / 2**20:.1f} MiB on disk; writer at nice {WRITER_NICE} (async0: nice 0)")
-    for m in ("sync", "async", "async0"):
-        print(f"stall per save (s): {m} " + " ".join(f"{v:.4f}" for v in r[f"stall_{m}"]))
-    print(f"series of {args.blocks} x ({args.interval} steps + save) (s): "
-          + " | ".join(f"{m} " + " ".join(f"{v:.2f}" for v in r[m]) for m in ("base", "async", "async0", "sync")))
-    print(f"median stall per save: sync {med['stall_sync']:.3f} s, async {med['stall_async']:.4f} s; "
-          f"ratio sync/async = {med['stall_sync'] / med['stall_async']:.1f}x (target >= 10)")
-    print(f"step time {step:.3f} s; overhead of a save every {args.interval} steps (median of per-round "
-          f"ratios): async {100 * over['async']:+.1f}% (target <= 2%), async0 {100 * over['async0']:+.1f}%, "
-          f"sync {100 * over['sync']:+.1f}%")
-    # CPU seconds of both ranks' processes (every thread): what checkpointing costs in work,
-    # which other jobs on the machine do not inflate the way they inflate wall time.
-    cpu_over = {m: statistics.median((x - b) / b for x, b in zip(cpu[m], cpu["base"])) for m in ("async", "sync")}
-    print("CPU time per series, both ranks (s): " + " | ".join(
-        f"{m} " + " ".join(f"{v:.2f}" for v in cpu[m]) for m in ("base", "async", "async0", "sync")))
-    print(f"CPU cost of a save every {args.interval} steps (median of per-round ratios): async "
-          f"{100 * cpu_over['async']:+.1f}%, sync {100 * cpu_over['sync']:+.1f}% of the training CPU; one async "
-          f"save = {statistics.median(cpu['async']) / args.blocks - statistics.median(cpu['base']) / args.blocks:.3f} "
-          f"CPU s")
+    costs, cpu_costs = [], []
+    for n in intervals:
+        base, base_cpu = r[f"base@{n}"], cpu[f"base@{n}"]
+        step = statistics.median(base) / n / args.blocks
+        lines = []
+        for m in (modes if n == n0 else ["async"]):
+            over = statistics.median((x - b) / b for x, b in zip(r[f"{m}@{n}"], base))
+            cover = statistics.median((x - b) / b for x, b in zip(cpu[f"{m}@{n}"], base_cpu))
+            lines.append(f"{m} {100 * over:+.1f}% wall, {100 * cover:+.1f}% CPU")
+            if m == "async":
+                costs.append(over * n * step)
+                cpu_costs.append(statistics.median(x - b for x, b in zip(cpu[f"async@{n}"], base_cpu)) / args.blocks)
+        print(f"save every {n} steps (step {step:.3f} s, {args.blocks} x {n} steps per series): "
+              + "; ".join(lines) + (" (target <= 2%)" if n == n0 else ""))
+    print("series (s): " + " | ".join(f"{k} " + " ".join(f"{v:.2f}" for v in r[k]) for k in r
+                                      if "@" in k and not k.startswith(("stall_", "cpu_"))))
+    print("CPU per series, both ranks (s): " + " | ".join(f"{k} " + " ".join(f"{v:.2f}" for v in cpu[k]) for k in cpu))
+    step = statistics.median(r[f"base@{n0}"]) / n0 / args.blocks
+    cost = statistics.median(costs)
     pick = max(1, math.ceil(cost / (0.02 * step))) if cost > 0 else 1
-    print(f"one async save adds {cost:.3f} s = {cost / step:.2f} steps; checkpoint.max_overhead=0.02 "
+    print(f"one async save: {statistics.median(cpu_costs):.3f} CPU s (both ranks; per interval "
+          + " ".join(f"{c:.3f}" for c in cpu_costs) + f"), adds {cost:.3f} s wall = {cost / step:.2f} steps "
+          f"(per interval " + " ".join(f"{c:.3f}" for c in costs) + f" s); checkpoint.max_overhead=0.02 "
           f"with checkpoint.interval=1 would save every {pick} steps")
 
 

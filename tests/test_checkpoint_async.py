@@ -100,3 +100,30 @@ def test_cadence_fixed_interval_and_checkfreq_rule():
     assert notes[0] is None  # nothing measured before the first save
     assert auto.interval == 955 and auto.next == 10 + 955
     assert "5 -> 955 steps" in notes[1] and "checkpoint.max_overhead 2%" in notes[1], notes[1]
+
+
+def test_a_copy_that_fails_to_start_is_a_failed_save_not_a_hang(tmp_path, monkeypatch):
+    """The copy starts last in Checkpointer.save (_DeferredStager); if it cannot start, the
+    upload thread waiting for it must fail the save, not wait forever."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ts = TrainState()
+    for _ in _train(model, opt, ts, 1):
+        pass
+    state = {"model": ModelOptimState(model, opt), "train": ts}
+    ckpt = Checkpointer(tmp_path, rank=0, mode="async")
+    ckpt.save(ts.step, state)
+    ckpt.wait()
+    stager = ckpt._stager_once()
+    monkeypatch.setattr(stager, "stage", lambda sd, **kw: (_ for _ in ()).throw(MemoryError("no host memory")))
+    ts.step += 1
+    t0 = time.monotonic()
+    ckpt.save(ts.step, state)
+    ckpt.before_update()
+    ckpt.wait()
+    assert time.monotonic() - t0 < 30
+    assert ckpt.failures == 1 and "no host memory" in ckpt.warnings[0], ckpt.warnings
+    assert ckpt.latest()[0] == ts.step - 1  # the previous checkpoint stays
+    assert not list(tmp_path.glob(".tmp-*"))
+    ckpt.close()

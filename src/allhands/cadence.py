@@ -38,6 +38,9 @@ class Cadence:
         self.busy: list[float] = []  # step seconds while the last save was in flight
         self.stall = 0.0  # seconds the training thread spent in the last save call
         self.measured = False  # whether a save happened whose cost the steps after it show
+        # The last pick's inputs as every rank used them (after the max over ranks), for the
+        # metrics line of each save: what the rule saw, so a run shows why it saves when it does.
+        self.inputs: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
         return self.next is not None and step >= self.next
@@ -67,6 +70,7 @@ class Cadence:
         if dist.is_initialized():  # every rank picks the same interval: the slowest rank's figures
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
         cost, t = both.tolist()
+        self.inputs = {"checkpoint_cost_s": cost, "checkpoint_step_time_s": t}
         multiple = max(1, math.ceil(cost / (self.bound * t * self.base))) if t > 0 else 1
         old, self.interval = self.interval, multiple * self.base
         if self.interval == old:

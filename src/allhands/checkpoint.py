@@ -31,11 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.errors import CheckpointError, ConfigError, first_line
+from allhands.checkpoint_io import DeferredStager, Writer, save_planner
 from allhands.security import SafeFileSystemReader, checkpoint_error_from, verify_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -231,42 +231,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# Niceness of an async save's writer thread. DCP's serialisation is ~100-200 ms of CPU per
-# 38 MiB save here (mostly per-item torch.save overhead); at nice 0 it takes that from the
-# training ranks when there are no spare cores. At 19 the scheduler gives it ~1.5% of a
-# contended core, so it fills idle time (collective waits) and training keeps the CPU.
-WRITER_NICE = 19
-
-
-class _Writer(FileSystemWriter):
-    """DCP's file writer (fsyncs every file) with an optional hook run after this rank's files
-    are written: the ``ckpt`` fault kills the worker there, i.e. mid-checkpoint.
-
-    ``background``: this writer runs in DCP's upload thread (async save), which it moves to
-    ``WRITER_NICE`` first. Linux applies niceness per thread, and DCP starts a fresh upload
-    thread per save, so the training thread keeps its priority."""
-
-    def __init__(self, path: Path, after_write: Callable[[], None] | None = None, background: bool = False):
-        super().__init__(path, sync_files=True)
-        self._after_write = after_write
-        self._background = background
-
-    def reset(self, checkpoint_id=None) -> None:
-        if self._background and threading.current_thread() is not threading.main_thread():
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-            except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
-                pass
-        super().reset(checkpoint_id)
-
-    def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)
-        if self._after_write is not None:
-            fut.wait()
-            self._after_write()
-        return fut
-
-
 @dataclass
 class _Pending:
     """The one save in flight: its future, and (rank 0) whether its commit has run."""
@@ -275,6 +239,7 @@ class _Pending:
     tmp: Path
     final: Path
     future: Any
+    writer: Writer
     committed: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -316,6 +281,7 @@ class Checkpointer:
         self._copier: Any = None
         self._staging: Any = None  # the copy to host memory of the save in flight (async)
         self._prepared = False
+        self._plan_key = f"allhands.Checkpointer {id(self)} {self.dir} {mode}"
 
     @property
     def in_flight(self) -> bool:
@@ -356,26 +322,33 @@ class Checkpointer:
         else:
             self._wait_here()
         hook = self.writer_hook(step) if self.writer_hook else None
+        writer = Writer(tmp, hook, background=self.mode != "sync")
+        deferred: DeferredStager | None = None
         try:
             if self.mode == "sync":
-                dcp.save(state, storage_writer=_Writer(tmp, hook))
+                dcp.save(state, storage_writer=writer, planner=save_planner(self._plan_key))
                 _barrier()
                 if self.rank == 0:
-                    self._commit(step, tmp, final)
+                    self._commit(step, tmp, final, writer.digests)
                 _barrier()
                 return
-            resp = dcp.async_save(self._snapshot(state), storage_writer=_Writer(tmp, hook, background=True),
-                                  process_group=self.group, async_stager=self._stager_once())
+            deferred = DeferredStager(self._stager_once())
+            resp = dcp.async_save(self._snapshot(state), storage_writer=writer,
+                                  planner=save_planner(self._plan_key), process_group=self.group,
+                                  async_stager=deferred)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if deferred is not None:
+                deferred.close()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             self._failed(step, tmp, e)
             return
         self._staging, fut = resp.staging_completion, resp.upload_completion
-        pending = _Pending(step, tmp, final, fut)
+        pending = _Pending(step, tmp, final, fut, writer)
         if self.rank == 0:
             fut.add_done_callback(lambda _f, p=pending: self._commit_when_written(p))
         self._pending = pending
+        deferred.start()  # last: the copy overlaps the next forward/backward, not this call
 
     def _stager_once(self):
         """One stager for the whole run: it keeps its host buffers (pinned on CUDA) between saves.
@@ -423,19 +396,22 @@ class Checkpointer:
         """Rank 0, in DCP's writer thread once every rank's write and .metadata are done."""
         try:
             p.future.result()
-            self._commit(p.step, p.tmp, p.final)
+            self._commit(p.step, p.tmp, p.final, p.writer.digests)
         except BaseException as e:  # recorded; wait()/poll() report it in the training thread
             p.error = e
         finally:
             p.committed.set()
 
-    def _commit(self, step: int, tmp: Path, final: Path) -> None:
+    def _commit(self, step: int, tmp: Path, final: Path,
+                digests: dict[str, tuple[int, str]] | None = None) -> None:
         (tmp / META_NAME).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **self.meta},
                                                 indent=1) + "\n")
         # DCP fsynced its data files and .metadata (sync_files=True); write_manifest fsyncs the
         # manifest and the directory, so only allhands.json is left.
         _fsync_file(tmp / META_NAME)
-        write_manifest(tmp)  # sizes and SHA-256 of every file, checked on resume
+        # Sizes and SHA-256 of every file, checked on resume; each rank hashed its own data files
+        # in its writer (``digests``), so only .metadata and allhands.json are hashed here.
+        write_manifest(tmp, digests)
         if final.exists():  # re-saving the same step after a restart
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -40,7 +40,7 @@ from allhands.errors import CheckpointError, first_line
 
 __all__ = [
     "MANIFEST_NAME", "MANIFEST_VERSION", "RestrictedUnpickler", "SafeFileSystemReader",
-    "checkpoint_error_from", "new_secret", "prove", "verify", "verify_manifest",
+    "checkpoint_error_from", "file_digest", "new_secret", "prove", "verify", "verify_manifest",
     "verify_metadata", "write_manifest",
 ]
 
@@ -282,8 +282,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(ckpt_dir: str | os.PathLike) -> Path:
+def file_digest(path: str | os.PathLike) -> tuple[int, str]:
+    """Size and SHA-256 of one file, as ``write_manifest`` records them."""
+    p = Path(path)
+    return p.stat().st_size, _sha256(p)
+
+
+def write_manifest(ckpt_dir: str | os.PathLike,
+                   digests: dict[str, tuple[int, str]] | None = None) -> Path:
     """Record size and SHA-256 of every file of a finished checkpoint in ``manifest.json``.
+
+    ``digests``: ``{relative path: (size, sha256)}`` already computed by ``file_digest`` (each
+    rank hashes the files it wrote, right after writing them, so the hashing is spread over the
+    ranks instead of all falling on the one that commits). Every file on disk is still listed:
+    one without a digest, or whose size differs from its digest's, is hashed here, and a digest
+    for a file that is not there is an error (the save is incomplete).
 
     Written to a temporary name, fsynced and renamed, so a manifest that exists is complete.
     """
@@ -291,8 +304,17 @@ def write_manifest(ckpt_dir: str | os.PathLike) -> Path:
     if not root.is_dir():
         raise CheckpointError(f"cannot write a manifest: {str(root)!r} is not a directory; pass "
                               f"the checkpoint directory")
-    files = [{"path": rel, "size": p.stat().st_size, "sha256": _sha256(_plain(rel, p, root))}
-             for rel, p in sorted(_files(root).items())]
+    digests = digests or {}
+    on_disk = _files(root)
+    for rel in sorted(digests.keys() - on_disk.keys()):
+        raise CheckpointError(f"cannot write a manifest: {rel!r} was written but is missing from "
+                              f"{str(root)!r}; the save is incomplete, save again")
+    files = []
+    for rel, p in sorted(on_disk.items()):
+        size = _plain(rel, p, root).stat().st_size
+        known = digests.get(rel)
+        sha = known[1] if known is not None and known[0] == size else _sha256(p)
+        files.append({"path": rel, "size": size, "sha256": sha})
     body = json.dumps({"version": MANIFEST_VERSION, "files": files}, indent=1) + "\n"
     final = root / MANIFEST_NAME
     tmp = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}"

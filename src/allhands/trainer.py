@@ -421,6 +421,9 @@ class Trainer:
                     note = cadence.save(ts.step, self.save)
                     if note:
                         metrics.message(note)
+                    if cfg.checkpoint.max_overhead > 0:  # each save, and the next one's distance
+                        metrics.log({"step": ts.step, "checkpoint_saved": True,
+                                     "checkpoint_interval": cadence.interval, **cadence.inputs})
                 self.ckpt.poll()
                 self._report_checkpoint_warnings(metrics)
             failures = self.ckpt.failures
