@@ -38,54 +38,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.seq_len=64"]
+from common import MODEL, CheckpointBenchJob  # noqa: E402  (bench/ is sys.path[0])
 
 
 def worker(cfg_dict: dict, rounds: int, intervals: list[int], blocks: int, nice0: bool, out: str) -> None:
     import json
 
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     import allhands.checkpoint_io as ckpt_mod  # WRITER_NICE: read by each save's writer
-    from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState
-    from allhands.config import Config
-    from allhands.data import load_token_splits
-    from allhands.launch import worker_env
-    from allhands.mesh import Mesh
-    from allhands.trainer import build_reference_model
+    from allhands.checkpoint import Checkpointer
 
-    cfg = Config.from_dict(cfg_dict)
-    env = worker_env()
-    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
-                      backend="gloo", dp_replicate=-1, timeout_s=300)
-    torch.set_num_threads(1)
-    train_ds, _, _ = load_token_splits(cfg.data.path, cfg.model.seq_len)
-    torch.manual_seed(0)
-    raw = build_reference_model(cfg, 257)
-    model = DDP(raw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ts = TrainState()
-    state = {"model": ModelOptimState(model, opt), "train": ts, "rng": RNGState(mesh.rank)}
-    per_rank = cfg.run.global_batch // mesh.world_size
-    g = torch.Generator().manual_seed(mesh.rank)
+    job = CheckpointBenchJob(cfg_dict)
+    mesh, ts, state = job.mesh, job.ts, job.state
 
     waited = [0.0]  # seconds in before_update: the part of an async save's copy not overlapped
 
     def steps(n: int, ckpt: Checkpointer | None = None) -> None:
         for _ in range(n):
-            idx = torch.randint(len(train_ds), (per_rank,), generator=g).tolist()
-            x = torch.stack([train_ds[i][0] for i in idx])
-            y = torch.stack([train_ds[i][1] for i in idx])
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            job.backward()
             if ckpt is not None:  # as the trainer does: the copy to host memory ends here at the latest
                 w0 = time.perf_counter()
                 ckpt.before_update()
                 waited[0] += time.perf_counter() - w0
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            ts.step += 1
+            job.update()
 
     nice = {"async": ckpt_mod.WRITER_NICE, "async0": 0}
     modes = ("sync", "async", "async0") if nice0 else ("sync", "async")

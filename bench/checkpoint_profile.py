@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from checkpoint import MODEL  # noqa: E402  (bench/checkpoint.py: the same model and state)
+from common import MODEL, CheckpointBenchJob  # noqa: E402  (the same model and state as bench/checkpoint.py)
 
 
 def _thread_cpu() -> dict[int, float]:
@@ -59,21 +59,13 @@ def worker(cfg_dict: dict, rounds: int, saves: int, interval: int, cprofile: boo
     import pstats
     import threading
 
-    import torch
     import torch.distributed.checkpoint._async_thread_executor as ate
     import torch.distributed.checkpoint.utils as dcp_utils
-    import torch.nn.functional as F
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import allhands.checkpoint as ckpt_mod
-    from allhands.checkpoint import Checkpointer, ModelOptimState, RNGState, TrainState
-    from allhands.config import Config
-    from allhands.data import load_token_splits
-    from allhands.launch import worker_env
-    from allhands.mesh import Mesh
-    from allhands.trainer import build_reference_model
+    from allhands.checkpoint import Checkpointer, ModelOptimState
 
     cpu: dict[str, float] = defaultdict(float)  # part -> thread CPU seconds in this series
     calls: dict[str, int] = defaultdict(int)
@@ -122,37 +114,21 @@ def worker(cfg_dict: dict, rounds: int, saves: int, interval: int, cprofile: boo
     Checkpointer.before_update = timed("training: before_update", Checkpointer.before_update)
     ModelOptimState.state_dict = timed("training: ModelOptimState.state_dict", ModelOptimState.state_dict)
 
-    cfg = Config.from_dict(cfg_dict)
-    env = worker_env()
-    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
-                      backend="gloo", dp_replicate=-1, timeout_s=300)
-    torch.set_num_threads(1)
-    train_ds, _, _ = load_token_splits(cfg.data.path, cfg.model.seq_len)
-    torch.manual_seed(0)
-    model = DDP(build_reference_model(cfg, 257))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ts = TrainState()
-    state = {"model": ModelOptimState(model, opt), "train": ts, "rng": RNGState(mesh.rank)}
-    per_rank = cfg.run.global_batch // mesh.world_size
-    g = torch.Generator().manual_seed(mesh.rank)
+    job = CheckpointBenchJob(cfg_dict)
+    mesh, ts, state = job.mesh, job.ts, job.state
     main_tid = threading.get_native_id()
     step_cpu = [0.0]
 
     def steps(n: int, ckpt: Checkpointer | None) -> None:
         for _ in range(n):
             c0 = time.thread_time()
-            idx = torch.randint(len(train_ds), (per_rank,), generator=g).tolist()
-            x = torch.stack([train_ds[i][0] for i in idx])
-            y = torch.stack([train_ds[i][1] for i in idx])
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            job.backward()
             step_cpu[0] += time.thread_time() - c0
             if ckpt is not None:
                 ckpt.before_update()
             c0 = time.thread_time()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            job.update()
             step_cpu[0] += time.thread_time() - c0
-            ts.step += 1
 
     ckpt = Checkpointer(Path(out) / "async", rank=mesh.rank, keep_last=1, mode="async",
                         group=mesh.checkpoint_group())

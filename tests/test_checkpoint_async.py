@@ -23,6 +23,17 @@ class _Net(torch.nn.Module):
         return self.norm(self.lin(x))
 
 
+def _trained(steps: int):
+    """A model, its AdamW (with state) and the step counter after ``steps`` steps from seed 0."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ts = TrainState()
+    for _ in _train(model, opt, ts, steps):
+        pass
+    return model, opt, ts
+
+
 def _train(model, opt, ts, steps):
     for _ in range(steps):
         model(torch.randn(4, 8)).square().mean().backward()
@@ -33,12 +44,7 @@ def _train(model, opt, ts, steps):
 
 
 def test_async_save_is_the_state_at_the_save_step_while_training_goes_on(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ts = TrainState()
-    for _ in _train(model, opt, ts, 2):
-        pass
+    model, opt, ts = _trained(2)
     state = {"model": ModelOptimState(model, opt), "train": ts, "rng": RNGState(0)}
     ckpt = Checkpointer(tmp_path, rank=0, mode="async")
     ckpt.save(ts.step, state)  # the first save prepares the directory; wait for it
@@ -105,12 +111,7 @@ def test_cadence_fixed_interval_and_checkfreq_rule():
 def test_a_copy_that_fails_to_start_is_a_failed_save_not_a_hang(tmp_path, monkeypatch):
     """The copy starts last in Checkpointer.save (_DeferredStager); if it cannot start, the
     upload thread waiting for it must fail the save, not wait forever."""
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ts = TrainState()
-    for _ in _train(model, opt, ts, 1):
-        pass
+    model, opt, ts = _trained(1)
     state = {"model": ModelOptimState(model, opt), "train": ts}
     ckpt = Checkpointer(tmp_path, rank=0, mode="async")
     ckpt.save(ts.step, state)
