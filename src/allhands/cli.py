@@ -105,15 +105,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_rendezvous_store(args: argparse.Namespace) -> int:
-    import ipaddress
-
+    from allhands.launch import check_bind
     from allhands.rendezvous import serve_store
 
-    try:
-        ipaddress.ip_address(args.bind)
-    except ValueError:
-        raise ConfigError(f"--bind: {args.bind!r} is not an IP address; pass the address of this "
-                          f"host that the training nodes reach (0.0.0.0 means every interface)") from None
+    check_bind(args.bind)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: {args.port} is not allowed; must be in [0, 65535]")
     serve_store(args.bind, args.port)

@@ -208,18 +208,23 @@ class LaunchSpec:
         return s
 
 
-def _check_security_args(s: LaunchSpec) -> None:
-    """--bind is an address; a multi-node job has a usable secret (exit 2 before anything runs)."""
+def check_bind(bind: str) -> None:
+    """``--bind`` (train, launch, rendezvous-store) names an IP address: exit 2 otherwise."""
     import ipaddress
 
+    try:
+        ipaddress.ip_address(bind)
+    except ValueError:
+        raise ConfigError(f"--bind: {bind!r} is not an IP address; pass one of this host's "
+                          f"addresses (0.0.0.0 means every interface)") from None
+
+
+def _check_security_args(s: LaunchSpec) -> None:
+    """--bind is an address; a multi-node job has a usable secret (exit 2 before anything runs)."""
     from allhands.admission import job_secret
 
     if s.bind:
-        try:
-            ipaddress.ip_address(s.bind)
-        except ValueError:
-            raise ConfigError(f"--bind: {s.bind!r} is not an IP address; pass one of this host's "
-                              f"addresses (0.0.0.0 means every interface)") from None
+        check_bind(s.bind)
     if s.multi_node and not s.insecure:
         job_secret(multi_node=True, secret_file=s.secret_file, insecure=False, env=os.environ)
 

@@ -306,9 +306,10 @@ def write_manifest(ckpt_dir: str | os.PathLike,
                               f"the checkpoint directory")
     digests = digests or {}
     on_disk = _files(root)
-    for rel in sorted(digests.keys() - on_disk.keys()):
-        raise CheckpointError(f"cannot write a manifest: {rel!r} was written but is missing from "
-                              f"{str(root)!r}; the save is incomplete, save again")
+    missing = sorted(digests.keys() - on_disk.keys())
+    if missing:
+        raise CheckpointError(f"cannot write a manifest: {missing[0]!r} was written but is missing "
+                              f"from {str(root)!r}; the save is incomplete, save again")
     files = []
     for rel, p in sorted(on_disk.items()):
         size = _plain(rel, p, root).stat().st_size
