@@ -23,7 +23,8 @@ host buffers and DCP's plan cache. Figures:
 - overhead: (series time with async saves - baseline series time) / baseline series time, for a
   save every N steps. Target <= 2%. Also printed: the cost of one save that this implies (CPU
   seconds and wall seconds) and the interval ``checkpoint.max_overhead=0.02`` would pick from it.
-  Series of the same work vary by about +-10% on this shared machine, more than the effect, so:
+  Series of the same work vary by several percent between rounds on this shared machine (up to
+  +-10%), as much as the effect, so:
 - cost per save from ``--triples`` adjacent blocks of ``--triple-steps`` steps, X (no save), Y
   (ends with an async save), Z (its write runs in the background; a write still running at Z's end
   is waited for inside Z), then the next X: cost = Y + Z - X_before - X_after, whose neighbours
@@ -117,7 +118,7 @@ def worker(cfg_dict: dict, rounds: int, intervals: list[int], blocks: int, nice0
             res[f"cpu_{series}"].append(time.process_time() - c0)
     # The cost of one async save from adjacent blocks of ``triple`` steps: X (clean), Y (ends
     # with a save), Z (its write runs in the background), then the next X. Slow machine noise
-    # (series of the same work vary by +-10% here) is shared by neighbouring blocks of ~2 s, so
+    # (series of the same work vary by several percent here) is shared by neighbouring blocks of ~2 s, so
     # cost = (Y + Z) - (X_before + X_after) cancels it, and a linear drift too; a write still
     # running at the end of Z is waited for inside Z (counted in ``late``).
     ckpt = ckpts["async"]
