@@ -318,8 +318,9 @@ class NarrowRendezvousHandler(DynamicRendezvousHandler):
         stops with "lost the rendezvous store" instead of its own worker's failure and the
         restart limit. Either way the workers' failure is what the agent must judge: if one fails
         within the settle window the answer is 0 and torch's next ``_monitor_workers`` reports it.
-        (Seen in tests/test_node_loss.py, the restart-limit test: (b) in 3 of 11 runs here; with
-        worker rank 1's exit delayed 3 s, (a) and then (b) in every run.)"""
+        (Seen in tests/test_node_loss.py, the restart-limit test: it failed in 3 of 11 runs here,
+        on (b) both times the output was kept; with worker rank 1's exit delayed 3 s, (a) and then
+        (b) in every run.)"""
         try:
             n = super().num_nodes_waiting()
         except RendezvousError:
