@@ -5,7 +5,11 @@ and both training hosts dial it (``--rdzv-store external``). Every process of th
 with node rank 0 (worker rank 0, which also led the first round's worker store) is SIGKILLed after
 the step-4 checkpoint; the other host continues alone at world size 1 from that checkpoint, on
 the same global batches (within float tolerance of the single-process reference), serving the
-next round's worker store itself."""
+next round's worker store itself. Or node 0's command is started again (Slurm --requeue of that
+node's task, a Kubernetes pod restart) while the store keeps the job's rendezvous: it rejoins
+(``--nnodes 2``: the other node waits for it), leads the next round again, and the job ends
+bit-identical to an undisturbed run (issue 5: "Killing every process of one host is recovered
+like any other fault")."""
 
 from __future__ import annotations
 
@@ -16,15 +20,18 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from allhands.checkpoint import committed
-from allhands.launch import LaunchSpec, _default_run_id, free_port
+from allhands.config import load_config
+from allhands.launch import LaunchSpec, _default_run_id, free_port, train_job
 from allhands.netlab import Lab, unavailable
 from allhands.rendezvous import CheckedBackend, plan
 
-from conftest import ALLHANDS, ROOT, TINY
+from conftest import ALLHANDS, ROOT, TINY, tiny_config
 from test_node_loss import JOB, assert_survivor_finished
+from test_parity import trained_params
 from test_security_network import _listeners
 
 REASON = unavailable()
@@ -134,25 +141,31 @@ def test_a_crafted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_pat
     assert not marker.exists()
 
 
-@needs_lab
-def test_losing_node_rank_0_for_good_with_an_external_store(lab, token_dir, tmp_path, cli_env):
+def _start_node(lab, rank: int, nnodes: str, sets: list[str], env: dict, log):
+    """``allhands train`` of training host ``rank`` (lab host rank + 1), dialling the store."""
+    host = lab.hosts[rank + 1]
+    cmd = [*ALLHANDS, "train", "--nnodes", nnodes, "--node-rank", str(rank), "--nproc", "1",
+           "--rdzv-store", "external", "--rdzv-endpoint", STORE, "--local-addr", host.addr,
+           *(x for s in sets for x in ("--set", s))]
+    return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_node_0(lab, token_dir, tmp_path, cli_env, *, nnodes: str, requeue: bool):
+    """Both training hosts and the store's; node rank 0's whole session SIGKILLed once step 4 is
+    committed and, with ``requeue``, its command started again. Returns the run directory, the
+    output of node 1 and of node 0 (its second run when requeued, else its first), and seconds
+    from the kill to the end of node 1's job."""
     run_dir = tmp_path / "run"
     # Worker rank 0 (host 1: torch ranks nodes by address) stalls before step 5, so the kill lands
-    # after the step-4 checkpoint; its marker keeps the survivor, rank 0 after the loss, going.
+    # after the step-4 checkpoint; its marker keeps the survivor, rank 0 after the loss, going
+    # (and a requeued node 0 from stalling again).
     # A last call of 5 s: both nodes dial the store before it starts and join within it.
     sets = [*TINY, *JOB, f"data.path={token_dir}", f"run.dir={run_dir}", "fault.inject=0:5:hang",
             "fault.rdzv_last_call_s=5"]
     env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret-" + "x" * 16, OMP_NUM_THREADS="1")
     env.pop("GLOO_SOCKET_IFNAME", None)
     logs = {n: open(tmp_path / f"{n}.log", "w+") for n in ("store", "node0", "node1")}
-    nodes = []
-    for rank in (0, 1):
-        host = lab.hosts[rank + 1]
-        cmd = [*ALLHANDS, "train", "--nnodes", "1:2", "--node-rank", str(rank), "--nproc", "1",
-               "--rdzv-store", "external", "--rdzv-endpoint", STORE, "--local-addr", host.addr,
-               *(x for s in sets for x in ("--set", s))]
-        nodes.append(host.popen(cmd, env=env, stdout=logs[f"node{rank}"], stderr=subprocess.STDOUT,
-                                text=True))
+    nodes = [_start_node(lab, rank, nnodes, sets, env, logs[f"node{rank}"]) for rank in (0, 1)]
     time.sleep(2)
     store = lab.hosts[0].popen([*ALLHANDS, "rendezvous-store", "--bind", f"{PREFIX}.1"], env=env,
                                stdout=logs["store"], stderr=subprocess.STDOUT, text=True)
@@ -165,19 +178,22 @@ def test_losing_node_rank_0_for_good_with_an_external_store(lab, token_dir, tmp_
     killed = time.monotonic()
     os.killpg(nodes[0].pid, signal.SIGKILL)  # launcher, torch's agent and the worker of node 0
     nodes[0].wait()
+    if requeue:
+        time.sleep(1)
+        logs["node0"] = open(tmp_path / "node0-requeued.log", "w+")
+        nodes[0] = _start_node(lab, 0, nnodes, sets, env, logs["node0"])
     rc = nodes[1].wait(timeout=240)
     took = time.monotonic() - killed
     out = _read(logs["node1"])
     assert rc == 0, out[-3000:]
+    if requeue:
+        rc0 = nodes[0].wait(timeout=60)
+        assert rc0 == 0 and "rejoins it (a requeued node or job)" in _read(logs["node0"]), \
+            _read(logs["node0"])[-3000:]
     assert f"rendezvous at {STORE} (external store: allhands rendezvous-store)" in out
     (line,) = [x for x in out.splitlines() if "restart 1/2" in x]
     assert ("worker rank 1" in line and f"on node {PREFIX}.3 failed: lost node {PREFIX}.2 "
             "(worker rank 0)" in line and "from checkpoint step 4" in line), line
-    # The restarted worker built its process group through a worker store (MASTER_ADDR): not on
-    # the dead host, nor on the store's host (which serves only the rendezvous store), so the
-    # survivor served it.
-    assert_survivor_finished(out, run_dir, f"node {PREFIX}.2 (worker rank 0)", took, 120,
-                             "2 hosts, then the one that was not node 0")
     # The store outlived the job; it listened on its one address and stops cleanly when told.
     assert store.poll() is None
     store.send_signal(signal.SIGTERM)
@@ -185,3 +201,33 @@ def test_losing_node_rank_0_for_good_with_an_external_store(lab, token_dir, tmp_
     said = _read(logs["store"])
     assert f"allhands: listening on {STORE} (rendezvous store)" in said, said
     assert said.strip().splitlines()[-1] == "allhands: rendezvous store stopped", said
+    return run_dir, out, _read(logs["node0"]), took
+
+
+@needs_lab
+def test_losing_node_rank_0_for_good_with_an_external_store(lab, token_dir, tmp_path, cli_env):
+    run_dir, out, _, took = _kill_node_0(lab, token_dir, tmp_path, cli_env, nnodes="1:2", requeue=False)
+    # The restarted worker built its process group through a worker store (MASTER_ADDR): not on
+    # the dead host, nor on the store's host (which serves only the rendezvous store), so the
+    # survivor served it.
+    assert_survivor_finished(out, run_dir, f"node {PREFIX}.2 (worker rank 0)", took, 120,
+                             "2 hosts, then the one that was not node 0")
+
+
+@needs_lab
+def test_node_rank_0_started_again_rejoins_bit_exact_with_an_external_store(lab, token_dir, tmp_path,
+                                                                            cli_env):
+    """Slurm --requeue / a pod restart of node 0's host: its original command, run again, rejoins
+    the job the other node kept alive in the external store; both resume from step 4 and the job
+    ends bit-identical to an undisturbed run at the same world size."""
+    run_dir, out, again, took = _kill_node_0(lab, token_dir, tmp_path, cli_env, nnodes="2",
+                                             requeue=True)
+    assert f"node {PREFIX}.2 came back (a new launcher)" in out, out[-3000:]
+    assert "continuing on 2 node(s), world size 2" in out, out[-3000:]
+    # Node 0's worker is rank 0 again (torch ranks nodes by address), which says where it resumed.
+    assert "resumed from step 4" in again and "done: steps 8" in again, again[-3000:]
+    assert took < 120, f"recovery took {took:.0f} s"
+    ref = train_job(tiny_config(token_dir, tmp_path / "undisturbed", *JOB), LaunchSpec(nproc=2))
+    want = trained_params(ref)
+    got = trained_params(load_config(run_dir / "config.resolved.toml"))
+    assert all(torch.equal(got[k], want[k]) for k in want), "not bit-identical to the undisturbed run"

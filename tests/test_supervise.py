@@ -5,6 +5,7 @@ check on resume."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -263,6 +264,33 @@ def test_failure_lines_name_the_lost_peer_node_and_its_ranks():
                     "ranks 2-3): gloo: Connection closed by peer [10.61.0.2]:32440")
     killed = describe_failures({3: failure(3, "", 9, exitcode=-9)}, 3, "h")
     assert killed == "worker rank 3 (pid 9) on node h failed: killed by SIGKILL"
+
+
+def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch():
+    """The settle check (elastic.exited_with_failure) tells a worker that exited with an error or
+    a signal from one still running or done, and leaves the exit status for torch's process
+    context to collect (here: Popen.wait still gets it)."""
+    from allhands.elastic import exited_with_failure
+
+    code = "import os, sys, time; time.sleep(0.3); {}"
+    procs = {what: subprocess.Popen([sys.executable, "-c", code.format(end)]) for what, end in (
+        ("error", "sys.exit(3)"), ("signal", "os.kill(os.getpid(), 9)"), ("done", "pass"),
+        ("running", "time.sleep(60)"))}
+    try:
+        assert not any(exited_with_failure(p.pid) for p in procs.values())  # all still running
+        deadline = time.monotonic() + 60
+        while not all(exited_with_failure(procs[w].pid) for w in ("error", "signal")):
+            assert time.monotonic() < deadline, "the failed children were never seen"
+            time.sleep(0.05)
+        os.waitid(os.P_PID, procs["done"].pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+        assert not exited_with_failure(procs["done"].pid)
+        assert procs["done"].wait(timeout=60) == 0
+        assert not exited_with_failure(procs["done"].pid)  # and once torch reaped it
+        assert not exited_with_failure(procs["running"].pid)
+        assert (procs["error"].wait(timeout=5), procs["signal"].wait(timeout=5)) == (3, -9)
+    finally:
+        procs["running"].kill()
+        procs["running"].wait()
 
 
 def test_rendezvous_timeouts_come_from_the_config_and_are_checked(tmp_path, token_dir):

@@ -21,6 +21,7 @@ into one line each.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -78,6 +79,29 @@ def _ranks_of(addr: str, members: dict[str, tuple[int, int]] | None) -> str:
     return ""
 
 
+# How long a node waits for its own workers to fail before it acts on a peer's restart or a lost
+# rendezvous store (NarrowRendezvousHandler.num_nodes_waiting). A worker hears of a dead peer
+# within 0.03 s (FACTS.md, "Hangs") but its exit can take seconds under load; if none fails in this
+# long they are healthy and the agent goes on as torch would have at once.
+SETTLE_S = 10.0
+
+
+def exited_with_failure(pid: int) -> bool:
+    """The child ``pid`` (a worker of this agent) has exited with a non-zero code or a signal.
+
+    ``waitid(WNOWAIT)`` reads the status of an exited child without reaping it, so torch's
+    process context still collects it (and its error file) as usual. A child already reaped was
+    collected by torch's monitor: not a new failure. Without ``os.waitid`` (macOS before Python
+    3.13) nothing is seen and the agent acts at once, as torch does."""
+    if not hasattr(os, "waitid"):
+        return False
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0)
+
+
 @dataclass
 class _Verdict:
     summary: str
@@ -97,6 +121,22 @@ class SupervisedAgent(LocalElasticAgent):
         self.restarts = self.flakes = self.stalled = 0
         self.final: str | None = None
         self._pending: _Verdict | None = None
+        if hasattr(spec.rdzv_handler, "settle"):  # rendezvous.NarrowRendezvousHandler
+            spec.rdzv_handler.settle = self._workers_failed
+
+    def _workers_failed(self, within_s: float = SETTLE_S) -> bool:
+        """Wait up to ``within_s`` for a worker of this node to exit with a failure; True if one
+        did (torch's next ``_monitor_workers`` then reports it). See
+        NarrowRendezvousHandler.num_nodes_waiting for when this is asked."""
+        pids = list(self._pcontext.pids().values()) if self._pcontext is not None else []
+        deadline = time.monotonic() + within_s
+        while pids:
+            if any(exited_with_failure(p) for p in pids):
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return False
 
     def _members(self) -> dict[str, tuple[int, int]]:
         """``{node address: (first worker rank, workers)}``: nodes run equal --nproc, and worker
