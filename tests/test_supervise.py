@@ -293,6 +293,55 @@ def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch
         procs["running"].wait()
 
 
+def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tmp_path):
+    """torch's monitor reports the lowest failed local rank and terminates the rest at once. When
+    rank 1 raises a start-up flake, rank 0 fails at once with "Connection closed by peer" and can
+    be the one reported: the flake would then count as a restart (seen once in the suite,
+    tests/test_multinode_flake.py; every time with the agent's monitor slowed by 1.5 s). Here rank
+    0 exits first and rank 1 only 0.5 s later, through torch's own ``record`` and error file: the
+    agent waits for it and adds it, so the verdict is the flake."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from allhands.elastic import LocalAgent, describe_failures
+
+    files = {r: tmp_path / f"error-{r}.json" for r in (0, 1)}
+    code = ("import os, sys, time\n"
+            "from torch.distributed.elastic.multiprocessing.errors import record\n"
+            "@record\ndef main():\n    time.sleep({})\n    raise RuntimeError({!r})\n"
+            "main()\n")
+    causes = {0: "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242",
+              1: "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:144] no error"}
+    procs = {r: subprocess.Popen([sys.executable, "-c", code.format(0.0 if r == 0 else 0.5, causes[r])],
+                                 env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(files[r])},
+                                 stderr=subprocess.DEVNULL) for r in (0, 1)}
+    try:
+        deadline = time.monotonic() + 60
+        while not os.waitid(os.P_PID, procs[0].pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+            assert time.monotonic() < deadline, "rank 0 never exited"
+            time.sleep(0.01)
+        agent = LocalAgent.__new__(LocalAgent)  # only the process context is read
+        agent._pcontext = SimpleNamespace(pids=lambda: {r: p.pid for r, p in procs.items()},
+                                          error_files=files)
+        exits = agent._settle_local_exits()
+        assert sorted(exits) == [0, 1] and exits[1] == (procs[1].pid, 1)
+        result = SimpleNamespace(failures={0: ProcessFailure(0, procs[0].pid, 1, str(files[0]))})
+        group = SimpleNamespace(workers=[SimpleNamespace(local_rank=r, global_rank=r) for r in (0, 1)])
+        agent._add_local_failures(result, group, exits)
+        assert sorted(result.failures) == [0, 1]
+        first = min(result.failures, key=lambda r: result.failures[r].timestamp)
+        summary = describe_failures(result.failures, first, "127.0.0.1")
+        assert "connectFullMesh" in summary and "lost node 127.0.0.1" in summary, summary
+        assert RestartPolicy(max_restarts=0).decide(summary, 0, 0, False) == "flake"
+        assert RestartPolicy(max_restarts=0).decide(describe_failures(
+            {0: result.failures[0]}, 0, "127.0.0.1"), 0, 0, False) == "give_up"  # rank 0 alone
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
 def test_rendezvous_timeouts_come_from_the_config_and_are_checked(tmp_path, token_dir):
     from allhands.config import apply_override, validate
     from allhands.launch import rendezvous_timeouts, resolve_run

@@ -86,20 +86,35 @@ def _ranks_of(addr: str, members: dict[str, tuple[int, int]] | None) -> str:
 SETTLE_S = 10.0
 
 
-def exited_with_failure(pid: int) -> bool:
-    """The child ``pid`` (a worker of this agent) has exited with a non-zero code or a signal.
+# How long a node whose worker failed waits for its other workers to exit before torch's monitor
+# takes the failure: that monitor reports only the lowest failed local rank and terminates the
+# rest at once, so a worker that failed *because* a local peer raised (gloo: "Connection closed by
+# peer") could hide the peer's own cause, e.g. a start-up flake that must not count.
+LOCAL_SETTLE_S = 3.0
+
+
+def exit_status(pid: int) -> int | None:
+    """The exit code of the child ``pid`` (a worker of this agent; -N: killed by signal N) if it
+    has exited, None while it runs or once reaped.
 
     ``waitid(WNOWAIT)`` reads the status of an exited child without reaping it, so torch's
     process context still collects it (and its error file) as usual. A child already reaped was
     collected by torch's monitor: not a new failure. Without ``os.waitid`` (macOS before Python
     3.13) nothing is seen and the agent acts at once, as torch does."""
     if not hasattr(os, "waitid"):
-        return False
+        return None
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return False
-    return info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0)
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def exited_with_failure(pid: int) -> bool:
+    """The child ``pid`` has exited with a non-zero code or a signal (see :func:`exit_status`)."""
+    return bool(exit_status(pid))
 
 
 @dataclass
@@ -110,7 +125,46 @@ class _Verdict:
     progressed: bool
 
 
-class SupervisedAgent(LocalElasticAgent):
+class LocalAgent(LocalElasticAgent):
+    """torch's local agent, reporting every worker of this node that failed, not only the first:
+    torch's monitor takes the lowest failed local rank and terminates the others at once, so the
+    one reported can be a worker that only lost a local peer while the peer's own cause (a
+    start-up flake that must not count, a fatal config error) is never seen. Here the others get
+    ``LOCAL_SETTLE_S`` to exit first, and their failures and error files join the result."""
+
+    def _settle_local_exits(self) -> dict[int, tuple[int, int]]:
+        """``{local rank: (pid, exit code)}`` of this node's workers that have exited. Once one
+        failed, the others get up to ``LOCAL_SETTLE_S`` to exit by themselves first (see there)."""
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        codes = {lr: exit_status(pid) for lr, pid in pids.items()}
+        if any(codes.values()) and None in codes.values():
+            deadline = time.monotonic() + LOCAL_SETTLE_S
+            while None in codes.values() and time.monotonic() < deadline:
+                time.sleep(0.05)
+                codes = {lr: exit_status(pid) for lr, pid in pids.items()}
+        return {lr: (pids[lr], c) for lr, c in codes.items() if c is not None}
+
+    def _add_local_failures(self, result, worker_group, exits: dict[int, tuple[int, int]]) -> None:
+        """Add to ``result.failures`` the workers of this node that failed besides the one torch
+        reports, with their error files, so that the verdict sees every cause."""
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        for w in worker_group.workers:
+            pid, code = exits.get(w.local_rank, (0, 0))
+            if code and w.global_rank not in result.failures:
+                result.failures[w.global_rank] = ProcessFailure(
+                    local_rank=w.local_rank, pid=pid, exitcode=code,
+                    error_file=self._pcontext.error_files[w.local_rank])
+
+    def _monitor_workers(self, worker_group):
+        exits = self._settle_local_exits()
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._add_local_failures(result, worker_group, exits)
+        return result
+
+
+class SupervisedAgent(LocalAgent):
     """torch's local agent; restarts judged and reported per :class:`RestartPolicy`."""
 
     def __init__(self, spec: WorkerSpec, *, policy: RestartPolicy, run_dir: Path | None,
@@ -230,7 +284,7 @@ class SupervisedAgent(LocalElasticAgent):
 def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, policy: RestartPolicy | None,
               run_dir: Path | None, heartbeat_dir: Path | None, node: str,
               node_timeout_s: float, external_store: bool = False) -> dict[int, Any]:
-    """``launch_agent`` with :class:`SupervisedAgent` (``policy`` None: torch's own agent, for a
+    """``launch_agent`` with :class:`SupervisedAgent` (``policy`` None: :class:`LocalAgent`, for a
     single node, which restarts outside). Raises WorkerFailure / LaunchError with one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -238,7 +292,7 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
 
     spec = WorkerSpec(rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), **spec_kw)
     if policy is None:
-        agent = LocalElasticAgent(spec=spec, logs_specs=logs_specs, start_method="spawn")
+        agent = LocalAgent(spec=spec, logs_specs=logs_specs, start_method="spawn")
     else:
         agent = SupervisedAgent(spec, policy=policy, run_dir=run_dir, heartbeat_dir=heartbeat_dir,
                                 node=node, node_timeout_s=node_timeout_s, logs_specs=logs_specs,
