@@ -304,7 +304,7 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from allhands.elastic import LocalAgent, describe_failures
+    from allhands.elastic import LocalAgent, describe_failures, first_failure
 
     files = {r: tmp_path / f"error-{r}.json" for r in (0, 1)}
     code = ("import os, sys, time\n"
@@ -330,9 +330,10 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
         group = SimpleNamespace(workers=[SimpleNamespace(local_rank=r, global_rank=r) for r in (0, 1)])
         agent._add_local_failures(result, group, exits)
         assert sorted(result.failures) == [0, 1]
-        first = min(result.failures, key=lambda r: result.failures[r].timestamp)
-        summary = describe_failures(result.failures, first, "127.0.0.1")
-        assert "connectFullMesh" in summary and "lost node 127.0.0.1" in summary, summary
+        assert first_failure(result.failures) == 1  # rank 0 only lost it
+        summary = describe_failures(result.failures, first_failure(result.failures), "127.0.0.1")
+        assert summary.startswith("worker rank 1") and "connectFullMesh" in summary, summary
+        assert "lost node 127.0.0.1" in summary, summary
         assert RestartPolicy(max_restarts=0).decide(summary, 0, 0, False) == "flake"
         assert RestartPolicy(max_restarts=0).decide(describe_failures(
             {0: result.failures[0]}, 0, "127.0.0.1"), 0, 0, False) == "give_up"  # rank 0 alone

@@ -48,6 +48,18 @@ _GLOO_PEER = re.compile(r"\[[^\]]*gloo[^\]]*\] ((?:Connection|Read error|Socket)
                         r"\[([0-9A-Fa-f.:]+)\]:\d+)")
 
 
+def first_failure(failures: dict[int, Any]) -> int:
+    """The rank whose failure is the cause: the earliest one, but a worker that only lost a peer
+    (gloo's peer error) comes after every other failure in the set, which is that peer or took it
+    down (a SIGKILLed worker has no error record to date it, and its peer's comes right after).
+    -1 for no failure."""
+    def lost_peer(f: Any) -> bool:
+        return isinstance(f.message, dict) and _GLOO_PEER.search(str(f.message.get("message", ""))) is not None
+
+    ranked = sorted(failures.items(), key=lambda kv: (lost_peer(kv[1]), kv[1].timestamp, kv[0]))
+    return ranked[0][0] if ranked else -1
+
+
 def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
                       members: dict[str, tuple[int, int]] | None = None) -> str:
     """'worker rank R (pid P) on node N failed: cause' for the first failure and any other rank
@@ -202,8 +214,7 @@ class SupervisedAgent(LocalAgent):
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._pending is None:
-            first_rank, _ = min(((r, f.timestamp) for r, f in result.failures.items()),
-                                key=lambda rt: rt[1], default=(-1, 0))
+            first_rank = first_failure(result.failures)
             summary = describe_failures(result.failures, first_rank, self.node, self._members()) \
                 or f"the workers on node {self.node} became {result.state.name.lower()}"
             hangs = take_hangs(self.hb) if self.hb else []

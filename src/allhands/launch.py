@@ -357,10 +357,9 @@ def _default_run_id(spec: LaunchSpec, run_dir: str = "") -> str:
 def failure_summary(e: Any, node: str | None = None) -> str:
     """'worker rank R (pid P) on node N failed: cause' for the first failure and any other rank
     that raised (``e``: torch's ChildFailedError); see elastic.describe_failures."""
-    from allhands.elastic import describe_failures
+    from allhands.elastic import describe_failures, first_failure
 
-    first_rank, _ = e.get_first_failure()
-    return describe_failures(e.failures, first_rank, node or socket.gethostname())
+    return describe_failures(e.failures, first_failure(e.failures), node or socket.gethostname())
 
 
 # --------------------------------------------------------------------------- the run directory
