@@ -13,6 +13,7 @@ like any other fault")."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from allhands.rendezvous import CheckedBackend, plan
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
 from test_node_loss import JOB, assert_survivor_finished
-from test_parity import trained_params
+from test_parity import assert_matches_reference, trained_params
 from test_security_network import _listeners
 
 REASON = unavailable()
@@ -150,17 +151,21 @@ def _start_node(lab, rank: int, nnodes: str, sets: list[str], env: dict, log):
     return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def _kill_node_0(lab, token_dir, tmp_path, cli_env, *, nnodes: str, requeue: bool):
+def _kill_node_0(lab, token_dir, tmp_path, cli_env, *, nnodes: str, requeue: bool, late: bool = False):
     """Both training hosts and the store's; node rank 0's whole session SIGKILLed once step 4 is
-    committed and, with ``requeue``, its command started again. Returns the run directory, the
-    output of node 1 and of node 0 (its second run when requeued, else its first), and seconds
-    from the kill to the end of node 1's job."""
+    committed and, with ``requeue``, its command started again: at once, or with ``late`` only
+    after node 1 has gone on alone and committed step 6 (it then stalls before step 7 until node 0
+    is back). Returns the run directory, the output of node 1 and of node 0 (its second run when
+    requeued, else its first), and seconds from the kill to the end of node 1's job."""
     run_dir = tmp_path / "run"
     # Worker rank 0 (host 1: torch ranks nodes by address) stalls before step 5, so the kill lands
     # after the step-4 checkpoint; its marker keeps the survivor, rank 0 after the loss, going
     # (and a requeued node 0 from stalling again).
     # A last call of 5 s: both nodes dial the store before it starts and join within it.
-    sets = [*TINY, *JOB, f"data.path={token_dir}", f"run.dir={run_dir}", "fault.inject=0:5:hang",
+    # With ``late``, worker rank 0 of the next round, node 1 alone, stalls before step 7 the same
+    # way: node 0 comes back while it has not finished.
+    hangs = "0:5:hang,0:7:hang" if late else "0:5:hang"
+    sets = [*TINY, *JOB, f"data.path={token_dir}", f"run.dir={run_dir}", f"fault.inject={hangs}",
             "fault.rdzv_last_call_s=5"]
     env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret-" + "x" * 16, OMP_NUM_THREADS="1")
     env.pop("GLOO_SOCKET_IFNAME", None)
@@ -178,6 +183,12 @@ def _kill_node_0(lab, token_dir, tmp_path, cli_env, *, nnodes: str, requeue: boo
     killed = time.monotonic()
     os.killpg(nodes[0].pid, signal.SIGKILL)  # launcher, torch's agent and the worker of node 0
     nodes[0].wait()
+    if late:
+        while not (any(step >= 6 for step, _ in committed(run_dir / "checkpoints"))
+                   and "continuing on 1 node(s), world size 1" in _read(logs["node1"])):
+            assert nodes[1].poll() is None, "node 1 ended alone: " + _read(logs["node1"])[-3000:]
+            assert time.monotonic() < deadline, "node 1 committed no step 6 alone in 240 s"
+            time.sleep(0.2)
     if requeue:
         time.sleep(1)
         logs["node0"] = open(tmp_path / "node0-requeued.log", "w+")
@@ -231,3 +242,25 @@ def test_node_rank_0_started_again_rejoins_bit_exact_with_an_external_store(lab,
     want = trained_params(ref)
     got = trained_params(load_config(run_dir / "config.resolved.toml"))
     assert all(torch.equal(got[k], want[k]) for k in want), "not bit-identical to the undisturbed run"
+
+
+@needs_lab
+def test_node_rank_0_back_after_the_other_went_on_alone_is_admitted(lab, token_dir, tmp_path, cli_env):
+    """``--nnodes 1:2``: node 0's host is lost, node 1 goes on alone from step 4 and commits step
+    6; then node 0's command is run again. Node 1's agent restarts its workers to admit it (not a
+    restart), both resume from step 6, and the job (world size 2, 1, then 2 again, on the same
+    global batches) ends within float tolerance of the single-process reference."""
+    run_dir, out, again, took = _kill_node_0(lab, token_dir, tmp_path, cli_env, nnodes="1:2",
+                                             requeue=True, late=True)
+    assert (f"node {PREFIX}.2 (worker rank 0) left the job" in out
+            and "continuing on 1 node(s), world size 1" in out), out[-3000:]
+    assert ("a node is waiting to join; node" in out
+            and (f"node {PREFIX}.2 joined" in out or f"node {PREFIX}.2 came back" in out)
+            and "continuing on 2 node(s), world size 2" in out), out[-3000:]
+    assert "resumed from step 6" in again and "done: steps 8" in again, again[-3000:]
+    assert took < 150, f"the job took {took:.0f} s after the kill"
+    assert_matches_reference(load_config(run_dir / "config.resolved.toml"),
+                             "2 hosts, then node 1 alone, then both again")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    world = {r["step"]: len(r["step_time_rank"]) for r in recs if "loss" in r}
+    assert (world[4], world[6], world[8]) == (2, 1, 2), world
