@@ -6,7 +6,9 @@ seed, data order and token budget for every method, run one after the other in t
   logged in metrics.jsonl) / the ring lower bound 2 (N-1)/N x 4P (target <= 1.05);
 - DiLoCo (H inner steps), PowerSGD and bf16 compression against DDP: eval loss at equal tokens
   (target within 2%), bytes on the wire per step (DiLoCo: about 1/H), and the training wall time
-  to reach DDP's final eval loss (target at least 10x faster for DiLoCo);
+  to reach DDP's final eval loss (target at least 10x faster for DiLoCo), from a second run of
+  the last DiLoCo H, of PowerSGD and of bf16 with ``--reach-factor`` times the tokens (each on
+  its own cosine schedule), since at equal tokens they end just above DDP's loss;
 - a PNG of eval loss against training wall time for all runs (bench/figures/lowcomm.png).
 
 Needs root (network namespaces). Wall time is training time: the sum of the logged step times
@@ -171,7 +173,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0,
                     help="DiLoCo: synchronous steps before the first round (sync.sync_warmup_steps)")
     ap.add_argument("--reach-factor", type=float, default=2,
-                    help="also run the last DiLoCo H with this many times the tokens (1: no)")
+                    help="also run the last DiLoCo H, PowerSGD and bf16 with this many times the "
+                         "tokens, for their time to DDP's final loss (1: no)")
     ap.add_argument("--only", default="", help="comma-separated run names to run (DDP always runs); "
                                                "a name ending in * matches every run it starts")
     ap.add_argument("--batch", type=int, default=BATCH, help="global samples per step, every run")
@@ -238,15 +241,18 @@ def main() -> None:
         h = hs[-1]
         runs += [(f"{dname(h, lr, m)} x{args.reach_factor:g}", diloco(h, lr, m), ev(h),
                   round(args.steps * args.reach_factor), h) for lr, m in outers[h]]
-    runs += [(f"PowerSGD r={args.powersgd_rank}", ["sync.compress=powersgd",
-              f"sync.powersgd_rank={args.powersgd_rank}"], ev(DDP_EVAL_EVERY), args.steps, None),
-             ("bf16", ["sync.compress=bf16"], ev(DDP_EVAL_EVERY), args.steps, None)]
+    compressed = [(f"PowerSGD r={args.powersgd_rank}", ["sync.compress=powersgd",
+                   f"sync.powersgd_rank={args.powersgd_rank}"]), ("bf16", ["sync.compress=bf16"])]
+    runs += [(name, extra, ev(DDP_EVAL_EVERY), args.steps, None) for name, extra in compressed]
+    if args.reach_factor > 1:  # the compressed runs end just above DDP's loss: their time to it
+        runs += [(f"{name} x{args.reach_factor:g}", extra, ev(DDP_EVAL_EVERY),
+                  round(args.steps * args.reach_factor), None) for name, extra in compressed]
     # bytes per step relative to DDP's, from the algorithm: DiLoCo sends one fp32 all-reduce of
     # the pseudo-gradient per H steps after W synchronous ones; bf16 halves every all-reduce.
     inner = {n: h for n, _, _, _, h in runs if h is not None}
     analytic = {n: f"{(args.warmup + (steps - args.warmup) / inner[n]) / steps:.3f}"
                 for n, _, _, steps, _ in runs if n in inner}
-    analytic.update({"DDP": "1", "bf16": "0.5"})
+    analytic.update({"DDP": "1", "bf16": "0.5", f"bf16 x{args.reach_factor:g}": "0.5"})
     if args.only:
         keep = ["DDP", *args.only.split(",")]
         runs = [r for r in runs if any(r[0] == k or (k.endswith("*") and r[0].startswith(k[:-1]))
