@@ -319,7 +319,9 @@ def main() -> None:
     ax.set_xlabel("training wall time (s)"), ax.set_ylabel("eval loss")
     ax.set_title(f"2 hosts, {RATE_MBIT} Mbit/s links, equal tokens"), ax.grid(alpha=0.3), ax.legend()
     fig.tight_layout()
-    fig_path = out / "lowcomm.png" if args.loopback else ROOT / "bench" / "figures" / "lowcomm.png"
+    # The committed figure only from a whole lab run; loopback and --only runs plot beside their runs.
+    fig_path = (out / "lowcomm.png" if args.loopback or args.only else
+                ROOT / "bench" / "figures" / "lowcomm.png")
     fig_path.parent.mkdir(exist_ok=True)
     fig.savefig(fig_path, dpi=80)
     print(f"plot: {fig_path if args.loopback else fig_path.relative_to(ROOT)}")
