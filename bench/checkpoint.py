@@ -56,7 +56,7 @@ def worker(cfg_dict: dict, rounds: int, intervals: list[int], blocks: int, nice0
            triple: int, out: str) -> None:
     import json
 
-    import allhands.checkpoint_io as ckpt_mod  # WRITER_NICE: read by each save's writer
+    import allhands.checkpoint.writer as ckpt_mod  # WRITER_NICE: read by each save's writer
     from allhands.checkpoint import Checkpointer
 
     job = CheckpointBenchJob(cfg_dict)
@@ -173,9 +173,10 @@ def main() -> None:
     args = ap.parse_args()
     intervals = [args.interval] if args.interval else [int(n) for n in args.intervals.split(",")]
 
-    from allhands.checkpoint_io import WRITER_NICE
+    from allhands.checkpoint.writer import WRITER_NICE
     from allhands.config import load_config
-    from allhands.launch import LaunchSpec, launch, resolve_run
+    from allhands.launch.launcher import LaunchSpec, launch
+    from allhands.launch.rundir import resolve_run
 
     out = tempfile.mkdtemp(prefix="allhands-bench-ckpt-")
     job = [*MODEL, "run.global_batch=16", *args.set]  # later overrides win

@@ -64,7 +64,7 @@ def worker(cfg_dict: dict, rounds: int, saves: int, interval: int, cprofile: boo
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    import allhands.checkpoint as ckpt_mod
+    import allhands.checkpoint.checkpointer as ckpt_mod
     from allhands.checkpoint import Checkpointer, ModelOptimState
 
     cpu: dict[str, float] = defaultdict(float)  # part -> thread CPU seconds in this series
@@ -182,7 +182,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from allhands.config import load_config
-    from allhands.launch import LaunchSpec, launch, resolve_run
+    from allhands.launch.launcher import LaunchSpec, launch
+    from allhands.launch.rundir import resolve_run
 
     out = tempfile.mkdtemp(prefix="allhands-bench-ckptprof-")
     cfg = load_config(overrides=[*MODEL, "run.global_batch=16", f"run.dir={out}/resolve",

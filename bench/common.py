@@ -25,7 +25,7 @@ class CheckpointBenchJob:
         from allhands.checkpoint import ModelOptimState, RNGState, TrainState
         from allhands.config import Config
         from allhands.data import load_token_splits
-        from allhands.launch import worker_env
+        from allhands.env import worker_env
         from allhands.mesh import Mesh
         from allhands.trainer import build_reference_model
 

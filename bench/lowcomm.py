@@ -198,7 +198,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from allhands.data import load_token_splits, prepare_embedded
-    from allhands.launch import _cache_dir
+    from allhands.launch.rundir import _cache_dir
     from allhands.netlab import Lab, unavailable
     from allhands.config import load_config
     from allhands.trainer import build_reference_model

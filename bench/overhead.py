@@ -68,7 +68,7 @@ def worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> None:
     import json
 
     from allhands.config import Config
-    from allhands.launch import worker_env
+    from allhands.env import worker_env
     from allhands.data import load_token_splits
     from allhands.mesh import Mesh
 
@@ -103,7 +103,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from allhands.config import load_config
-    from allhands.launch import LaunchSpec, launch, resolve_run
+    from allhands.launch.launcher import LaunchSpec, launch
+    from allhands.launch.rundir import resolve_run
 
     out = tempfile.mkdtemp(prefix="allhands-bench-overhead-")
     cfg = load_config(overrides=[*MODEL, f"run.steps={args.steps}", "run.global_batch=32",

@@ -121,7 +121,7 @@ def layout_steps(cfg_dict: dict, extra: list[str], run_dir: Path, env) -> list[f
 def worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> None:
     import torch
 
-    from allhands.launch import worker_env
+    from allhands.env import worker_env
     from allhands.mesh import Mesh
 
     torch.set_num_threads(1)
@@ -153,7 +153,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from allhands.config import load_config
-    from allhands.launch import LaunchSpec, launch, resolve_run
+    from allhands.launch.launcher import LaunchSpec, launch
+    from allhands.launch.rundir import resolve_run
 
     out = tempfile.mkdtemp(prefix="allhands-bench-pipeline-")
     model = [f"model.{k}={v}" for k, v in MODEL.items()]

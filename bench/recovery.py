@@ -35,7 +35,7 @@ def main() -> None:
     from allhands.config import load_config
     from allhands.drill import run_drill
     from allhands.faults import Fault
-    from allhands.launch import LaunchSpec
+    from allhands.launch.launcher import LaunchSpec
 
     out = Path(tempfile.mkdtemp(prefix="allhands-bench-recovery-"))
     steps = args.every * (args.faults + 1)

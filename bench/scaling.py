@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from allhands.config import load_config
-    from allhands.launch import LaunchSpec, train_job
+    from allhands.launch.launcher import LaunchSpec, train_job
 
     out = Path(tempfile.mkdtemp(prefix="allhands-bench-scaling-"))
     rates: dict[int, list[float]] = {1: [], 2: []}

@@ -54,7 +54,7 @@ def worker(rounds: int, steps: int, out: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from allhands.config import Config
-    from allhands.launch import worker_env
+    from allhands.env import worker_env
     from allhands.memory import expected_bytes, state_bytes
     from allhands.mesh import Mesh
     from allhands.models import GPT, GPTConfig
@@ -211,7 +211,7 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4")
     args = ap.parse_args()
 
-    from allhands.launch import LaunchSpec, launch
+    from allhands.launch.launcher import LaunchSpec, launch
 
     tmp = Path(tempfile.mkdtemp(prefix="allhands-bench-sharding-"))
     print(f"model {MODEL}, rounds={args.rounds} steps/round={args.steps}, 1 thread per rank")

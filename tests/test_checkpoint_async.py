@@ -85,7 +85,7 @@ def test_async_save_is_the_state_at_the_save_step_while_training_goes_on(tmp_pat
 
 
 def test_cadence_fixed_interval_and_checkfreq_rule():
-    from allhands.cadence import Cadence
+    from allhands.checkpoint.cadence import Cadence
 
     fixed = Cadence(3, 0.0, start_step=4, device=torch.device("cpu"))  # resumed at step 4
     saved = []

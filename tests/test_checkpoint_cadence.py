@@ -11,8 +11,8 @@ import json
 import math
 
 from allhands.checkpoint import committed
-from allhands.launch import LaunchSpec, train_job
-from allhands.security import verify_manifest
+from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.checkpoint.manifest import verify_manifest
 
 from conftest import tiny_config
 

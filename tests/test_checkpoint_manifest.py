@@ -12,11 +12,11 @@ import zipfile
 import pytest
 import torch
 
-import allhands.security as security
+import allhands.checkpoint.manifest as manifest
 from allhands.checkpoint import Checkpointer, ModelOptimState, TrainState
-from allhands.checkpoint_io import IN_WRITER
+from allhands.checkpoint.writer import IN_WRITER
 from allhands.errors import CheckpointError
-from allhands.security import MANIFEST_NAME, file_digest, verify_manifest, write_manifest
+from allhands.checkpoint.manifest import MANIFEST_NAME, file_digest, verify_manifest, write_manifest
 
 
 def _crcs(data: bytes) -> list[int]:
@@ -68,8 +68,8 @@ def _state():
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_commit_takes_the_writers_digests_and_still_covers_every_file(tmp_path, monkeypatch, mode):
     hashed = []
-    real = security._sha256
-    monkeypatch.setattr(security, "_sha256", lambda p: (hashed.append(p.name), real(p))[1])
+    real = manifest._sha256
+    monkeypatch.setattr(manifest, "_sha256", lambda p: (hashed.append(p.name), real(p))[1])
     ckpt = Checkpointer(tmp_path, rank=0, mode=mode)
     state = _state()
     for step in (1, 2):  # the second save runs on DCP's cached plan

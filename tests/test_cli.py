@@ -82,8 +82,8 @@ def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir
     train the same job as one node with two workers, to the same parameters."""
     import torch
 
-    from allhands.checkpoint import load_model_weights
-    from allhands.launch import free_port
+    from allhands.checkpoint import load_weights
+    from allhands.launch.launcher import free_port
     from allhands.trainer import build_reference_model
 
     from conftest import TINY, tiny_config
@@ -114,7 +114,7 @@ def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir
     r = run(["train", *sets, "--set", f"run.dir={single}", "--nproc", "2"], cli_env)
     assert r.returncode == 0, r.stderr
     cfg = tiny_config(token_dir, single)
-    a = load_model_weights(committed(multi / "checkpoints")[-1][1], build_reference_model(cfg, 257))
-    b = load_model_weights(committed(single / "checkpoints")[-1][1], build_reference_model(cfg, 257))
+    a = load_weights(build_reference_model(cfg, 257), committed(multi / "checkpoints")[-1][1])
+    b = load_weights(build_reference_model(cfg, 257), committed(single / "checkpoints")[-1][1])
     for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.allclose(va, vb, rtol=1e-5, atol=1e-7), k

@@ -15,7 +15,7 @@ import torch
 
 from allhands.config import validate
 from allhands.errors import ConfigError
-from allhands.launch import LaunchSpec, train_job
+from allhands.launch.launcher import LaunchSpec, train_job
 
 from conftest import tiny_config
 from test_lowcomm import n_params, step_records
@@ -52,7 +52,8 @@ def _replica_check_worker(cfg_dict: dict, out: str) -> None:
     import torch.distributed as dist
 
     from allhands.config import Config
-    from allhands.launch import reported_failures, worker_env
+    from allhands.env import worker_env
+    from allhands.worker import reported_failures
     from allhands.mesh import Mesh
     from allhands.trainer import Job, Trainer
 
@@ -84,7 +85,8 @@ def _replica_check_worker(cfg_dict: dict, out: str) -> None:
 def test_local_sgd_with_fsdp_leaves_replicas_identical_after_each_sync(token_dir, tmp_path):
     import json
 
-    from allhands.launch import launch, resolve_run
+    from allhands.launch.launcher import launch
+    from allhands.launch.rundir import resolve_run
     from test_lowcomm import simulate_rounds
 
     # AdamW inside, one synchronous warm-up step (gradients averaged over the replicas' FSDP
@@ -140,7 +142,7 @@ def test_powersgd_resume_is_exact(token_dir, tmp_path):
     # steps 4-6 match the uninterrupted run bit for bit (same world size, CPU). DDP rebuilds
     # its buckets after the first backward of each process, so the resumed step 4 runs on other
     # buckets than the saving step 3 did: the state is restored per parameter.
-    from allhands.security import SafeFileSystemReader
+    from allhands.checkpoint.safe import SafeFileSystemReader
 
     cfg = tiny_config(token_dir, tmp_path / "full", "sync.compress=powersgd",
                       "sync.powersgd_start_step=2", "sync.powersgd_rank=2", "run.steps=6",

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from allhands.checkpoint import committed, load_model_weights
+from allhands.checkpoint import committed, load_weights
 from allhands.errors import LaunchError
 from allhands.faults import fired_at
-from allhands.launch import LaunchSpec, train_job
-from allhands.security import verify_manifest
+from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.checkpoint.manifest import verify_manifest
 from allhands.trainer import Job, build_reference_model
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
@@ -28,7 +28,7 @@ JOB = ("run.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=5", "fault.
 
 
 def weights(cfg, path):
-    return load_model_weights(path, build_reference_model(cfg, 257)).state_dict()
+    return load_weights(build_reference_model(cfg, 257), path).state_dict()
 
 
 def assert_same(a, b, exact=True):
@@ -155,7 +155,7 @@ def test_nan_skip_counts_continues_and_stops_after_n_in_a_row(token_dir, tmp_pat
     assert [s for s, _ in committed(run_dir / "checkpoints")] == [2, 4]  # the save in flight committed
     model = build_reference_model(cfg, 257)
     for step in (2, 4):
-        load_model_weights(run_dir / "checkpoints" / f"step-{step:08d}", model)
+        load_weights(model, run_dir / "checkpoints" / f"step-{step:08d}")
         assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -15,7 +15,7 @@ from allhands.config import validate
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import ConfigError
-from allhands.launch import LaunchSpec, train_job
+from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.trainer import build_optimizer, build_reference_model, lm_loss, lr_lambda
 
 from conftest import tiny_config

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from allhands.config import load_config
-from allhands.launch import free_port
+from allhands.launch.launcher import free_port
 
 from conftest import ALLHANDS, ROOT, TINY
 from test_parity import assert_matches_reference

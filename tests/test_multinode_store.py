@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from allhands.checkpoint import committed
 from allhands.config import load_config
-from allhands.launch import LaunchSpec, _default_run_id, free_port, train_job
+from allhands.launch.launcher import LaunchSpec, _default_run_id, free_port, train_job
 from allhands.netlab import Lab, unavailable
-from allhands.rendezvous import CheckedBackend, plan
+from allhands.launch.rendezvous import CheckedBackend, plan
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
 from test_node_loss import JOB, assert_survivor_finished

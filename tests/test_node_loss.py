@@ -18,7 +18,7 @@ import torch
 
 from allhands.checkpoint import committed
 from allhands.config import load_config
-from allhands.launch import LaunchSpec, train_job
+from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.netlab import Lab, unavailable
 
 from conftest import ALLHANDS, TINY, tiny_config

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from allhands.checkpoint import committed, load_model_weights
+from allhands.checkpoint import committed, load_weights
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
-from allhands.launch import LaunchSpec, train_job
+from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.trainer import build_optimizer, build_reference_model, lm_loss, lr_lambda
 
 from conftest import tiny_config
@@ -40,7 +40,7 @@ def trained_params(cfg) -> dict[str, torch.Tensor]:
     _, path = committed(Path(cfg.run.dir) / "checkpoints")[-1]
     _, _, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
     model = build_reference_model(cfg, meta["vocab_size"])
-    return load_model_weights(path, model).state_dict()
+    return load_weights(model, path).state_dict()
 
 
 def max_rel_diff(a: dict, b: dict) -> float:

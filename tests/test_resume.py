@@ -7,15 +7,15 @@ import shutil
 
 import torch
 
-from allhands.checkpoint import committed, load_model_weights
-from allhands.launch import LaunchSpec, train_job
+from allhands.checkpoint import committed, load_weights
+from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.trainer import build_reference_model
 
 from conftest import tiny_config
 
 
 def weights(cfg, path):
-    return load_model_weights(path, build_reference_model(cfg, 257)).state_dict()
+    return load_weights(build_reference_model(cfg, 257), path).state_dict()
 
 
 def test_resume_is_bit_exact(token_dir, tmp_path):

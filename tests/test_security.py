@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from allhands.errors import CheckpointError
-from allhands.security import (
-    MANIFEST_NAME, RestrictedUnpickler, SafeFileSystemReader, checkpoint_error_from, new_secret,
-    prove, verify, verify_manifest, verify_metadata, write_manifest,
-)
+from allhands.admission import new_secret, prove, verify
+from allhands.checkpoint.manifest import MANIFEST_NAME, verify_manifest, write_manifest
+from allhands.checkpoint.safe import (RestrictedUnpickler, SafeFileSystemReader, checkpoint_error_from,
+                                      verify_metadata)
 
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

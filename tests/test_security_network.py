@@ -18,8 +18,8 @@ import pytest
 
 from allhands.admission import job_secret, worker_environment
 from allhands.errors import ConfigError, LaunchError
-from allhands.launch import free_port
-from allhands.rendezvous import plan
+from allhands.launch.launcher import free_port
+from allhands.launch.rendezvous import plan
 
 from conftest import ALLHANDS, ROOT
 
@@ -281,7 +281,7 @@ def test_worker_without_secret_refuses_to_start(tmp_path, cli_env):
 
 
 def test_launch_spec_checks_bind_and_secret_before_anything_runs(monkeypatch):
-    from allhands.launch import LaunchSpec
+    from allhands.launch.launcher import LaunchSpec
 
     monkeypatch.delenv("ALLHANDS_SECRET", raising=False)
     monkeypatch.delenv("ALLHANDS_SECRET_FILE", raising=False)

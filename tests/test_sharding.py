@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allhands.launch import LaunchSpec, train_job
+from allhands.launch.launcher import LaunchSpec, train_job
 
 from conftest import tiny_config
 from test_parity import assert_matches_reference, max_rel_diff, reference_params, trained_params
@@ -96,7 +96,7 @@ def test_checkpoint_loads_under_other_layouts_and_world_sizes(token_dir, tmp_pat
     import json
     import shutil
 
-    from allhands.checkpoint import load_model_weights
+    from allhands.checkpoint import load_weights
     from allhands.trainer import build_reference_model
 
     zero = {k: ["parallel.dp_shard=2", f"parallel.zero={k}"] for k in (1, 2, 3)}
@@ -115,8 +115,8 @@ def test_checkpoint_loads_under_other_layouts_and_world_sizes(token_dir, tmp_pat
                          resume=str(run))
         evals = {json.loads(line)["step"]: json.loads(line)["eval_loss"]
                  for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval_loss"' in line}
-        params = load_model_weights(run / "checkpoints" / "step-00000005",
-                                    build_reference_model(done, 257)).state_dict()
+        params = load_weights(build_reference_model(done, 257),
+                              run / "checkpoints" / "step-00000005").state_dict()
         return run, params, evals[5]
 
     _, ref_params, ref_eval = resume(saved, "ref", 2, zero[3])
@@ -136,7 +136,7 @@ def test_export_then_import_round_trips_exactly(token_dir, tmp_path, cli_env):
 
     from safetensors.torch import load_file
 
-    from allhands.export import load_weights
+    from allhands.checkpoint.export import load_weights
     from allhands.trainer import build_reference_model
     from conftest import ALLHANDS
 

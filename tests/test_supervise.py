@@ -17,7 +17,7 @@ from allhands.checkpoint import FORMAT_VERSION, META_NAME, Checkpointer, check_c
 from allhands.config import Config
 from allhands.errors import CheckpointError, ConfigError, LaunchError
 from allhands.faults import Fault, NonFiniteError, NonFiniteGuard, parse_faults, plan_faults
-from allhands.supervise import (Heartbeat, RestartPolicy, Watchdog, WorkerFailure, find_hang,
+from allhands.launch.supervisor import (Heartbeat, RestartPolicy, Watchdog, WorkerFailure, find_hang,
                                 read_heartbeats, supervise)
 
 
@@ -212,7 +212,7 @@ def test_resume_config_check_names_every_incompatible_field(tmp_path):
 
 
 def test_elastic_nnodes_range_must_keep_the_global_batch_divisible(tmp_path, token_dir):
-    from allhands.launch import LaunchSpec, train_job
+    from allhands.launch.launcher import LaunchSpec, train_job
 
     from conftest import tiny_config
 
@@ -247,7 +247,7 @@ def test_injected_faults_fire_once_per_run_directory(tmp_path):
 def test_failure_lines_name_the_lost_peer_node_and_its_ranks():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from allhands.elastic import describe_failures
+    from allhands.launch.elastic import describe_failures
 
     def failure(rank, message, pid, exitcode=1):
         f = ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file="")
@@ -270,7 +270,7 @@ def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch
     """The settle check (elastic.exited_with_failure) tells a worker that exited with an error or
     a signal from one still running or done, and leaves the exit status for torch's process
     context to collect (here: Popen.wait still gets it)."""
-    from allhands.elastic import exited_with_failure
+    from allhands.launch.elastic import exited_with_failure
 
     code = "import os, sys, time; time.sleep(0.3); {}"
     procs = {what: subprocess.Popen([sys.executable, "-c", code.format(end)]) for what, end in (
@@ -304,7 +304,7 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from allhands.elastic import LocalAgent, describe_failures, first_failure
+    from allhands.launch.elastic import LocalAgent, describe_failures, first_failure
 
     files = {r: tmp_path / f"error-{r}.json" for r in (0, 1)}
     code = ("import os, sys, time\n"
@@ -345,7 +345,8 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
 
 def test_rendezvous_timeouts_come_from_the_config_and_are_checked(tmp_path, token_dir):
     from allhands.config import apply_override, validate
-    from allhands.launch import rendezvous_timeouts, resolve_run
+    from allhands.launch.launcher import rendezvous_timeouts
+    from allhands.launch.rundir import resolve_run
 
     from conftest import tiny_config
 

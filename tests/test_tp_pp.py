@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 
 from allhands.config import Config, ConfigError, apply_override, validate
-from allhands.launch import LaunchSpec, train_job
+from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.models import GPT, GPTConfig
-from allhands.parallel.pipeline import build_stage_module, stage_units, units
+from allhands.parallel.pipeline import balanced_split, build_stage_module, stage_units, units
 from allhands.parallel.tensor import resolve_plan
 
 from conftest import ALLHANDS, ROOT, tiny_config
@@ -109,7 +109,7 @@ def test_stages_partition_the_model_under_its_own_names():
     model = GPT(GPTConfig(vocab_size=50, seq_len=8, n_layer=5, n_head=2, n_embd=16))
     full = model.state_dict()
     for n_stages in (2, 3, 5):
-        per_stage = stage_units(model, model.pipeline_split_points(n_stages), n_stages)
+        per_stage = stage_units(model, balanced_split(len(model.blocks), n_stages), n_stages)
         stages = [build_stage_module(model, keep) for keep in per_stage]
         keys = [set(s.state_dict()) for s in stages]
         assert set().union(*keys) == set(full)

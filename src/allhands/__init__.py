@@ -28,8 +28,11 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
     ``tp_plan``: under ``parallel.tp > 1``, ``{module FQN: DTensor ParallelStyle}`` or a callable
     ``(model, sequence_parallel) -> that`` (default: the model's own ``tp_plan`` method).
     """
-    from allhands.launch import reported_failures, resolve_run, run_training, worker_env
+    # Here, not at the top: `import allhands` for its config and errors does not import torch.
+    from allhands.env import worker_env
+    from allhands.launch.rundir import resolve_run
     from allhands.trainer import Job
+    from allhands.worker import reported_failures, run_training
 
     with reported_failures():
         cfg = config if config is not None else Config()

@@ -1,7 +1,7 @@
 """Only processes holding the job's secret take part: the launcher's secret, the workers' proof.
 
-torch's stores and process groups accept anyone who can connect (FACTS.md: a stranger that took a
-rank changed an all_reduce result). So right after ``init_process_group``, before any tensor of
+torch's stores and process groups accept anyone who can connect (a stranger that took a rank
+has been seen to change an all_reduce result). So right after ``init_process_group``, before any tensor of
 the job is exchanged, every worker proves to every other that it holds the job secret, and a
 worker that sees one bad proof refuses to go on (:func:`admit_peers`).
 
@@ -22,6 +22,7 @@ addresses they gave) before returning from ``Mesh.build``. The cost: two small a
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import secrets
 import socket
@@ -34,15 +35,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from allhands.env import INSECURE_ENV, SECRET_ENV, SECRET_FILE_ENV, worker_admission_env
 from allhands.errors import ConfigError, LaunchError
-from allhands.security import prove, verify
-
-SECRET_ENV = "ALLHANDS_SECRET"
-"""The job secret (multi-node: the same string on every node; single node: set by the launcher)."""
-SECRET_FILE_ENV = "ALLHANDS_SECRET_FILE"
-"""A file holding the job secret; must not be readable by every user."""
-INSECURE_ENV = "ALLHANDS_INSECURE"
-"""Set to 1 by ``--insecure``: workers skip admission."""
 MIN_SECRET_CHARS = 16
 
 _TAG = b"allhands-admission-v1"
@@ -122,8 +116,6 @@ def worker_environment(secret: str | None) -> dict[str, str | None]:
 def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
     """Prove this worker holds the job secret and check every peer's proof; raises
     :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective."""
-    from allhands.launch import worker_admission_env  # launch.py reads the environment
-
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return  # new_group hands this to ranks outside the group: nothing to check here
     world = dist.get_world_size(group)
@@ -200,3 +192,37 @@ def _local_address(master: tuple[str, int] | None) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+# --------------------------------------------------------------------------- the proof
+
+
+def new_secret() -> bytes:
+    """A fresh 256-bit job secret."""
+    return secrets.token_bytes(32)
+
+
+def _message(nonce: bytes, rank: int, context: bytes = b"") -> bytes:
+    # Length-prefixed nonce and a fixed-width rank keep the fields unambiguous
+    # (b"1" + 23 differs from b"12" + 3); the context (pid, address) comes last.
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2**64:
+        raise ValueError(f"rank must be an int in [0, 2**64), got {rank!r}")
+    return struct.pack(">I", len(nonce)) + bytes(nonce) + struct.pack(">Q", rank) + bytes(context)
+
+
+def prove(secret: bytes, nonce: bytes, rank: int, context: bytes = b"") -> str:
+    """Hex HMAC-SHA256 of ``nonce, rank, context`` under the job secret: proves it, reveals
+    nothing about it."""
+    return hmac.new(secret, _message(nonce, rank, context), hashlib.sha256).hexdigest()
+
+
+def verify(secret: bytes, nonce: bytes, rank: int, proof: str, context: bytes = b"") -> bool:
+    """Whether ``proof`` is :func:`prove` of these inputs (constant-time comparison)."""
+    if not isinstance(proof, str):
+        return False
+    try:
+        given = proof.encode("ascii")
+        expected = prove(secret, nonce, rank, context).encode("ascii")
+    except (UnicodeEncodeError, ValueError):
+        return False
+    return hmac.compare_digest(given, expected)

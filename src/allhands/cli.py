@@ -2,6 +2,9 @@
 
 Exit codes: 0 success, 1 a failed job (a worker, a checkpoint, a port), 2 invalid input
 (config, arguments) detected before any worker started.
+
+Each subcommand imports what it runs inside its own function, for start-up time: ``allhands
+--help`` and ``allhands config show`` never import torch.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace):
-    from allhands.launch import LaunchSpec
+    from allhands.launch.launcher import LaunchSpec
 
     lo, _, hi = str(args.nnodes).partition(":")
     if not (lo.isdigit() and (hi or lo).isdigit()):
@@ -76,7 +79,7 @@ def _config_from(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from allhands.launch import train_job
+    from allhands.launch.launcher import train_job
 
     cfg = _config_from(args)
     spec = _spec(args).validated()
@@ -95,7 +98,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from allhands.launch import launch
+    from allhands.launch.launcher import launch
 
     script = Path(args.script)
     if not script.is_file():
@@ -105,8 +108,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_rendezvous_store(args: argparse.Namespace) -> int:
-    from allhands.launch import check_bind
-    from allhands.rendezvous import serve_store
+    from allhands.launch.launcher import check_bind
+    from allhands.launch.rendezvous import serve_store
 
     check_bind(args.bind)
     if not 0 <= args.port <= 65535:
@@ -151,7 +154,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from allhands.export import export_weights
+    from allhands.checkpoint.export import export_weights
 
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"export: {args.run_dir!r} is not a directory; pass a run directory")

@@ -17,9 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from allhands.checkpoint import committed, load_weights
 from allhands.config import Config
 from allhands.errors import ConfigError
 from allhands.faults import Fault, fired_at, plan_faults
+from allhands.launch.launcher import train_job
+from allhands.trainer import Job, build_data, build_reference_model
 
 
 @dataclass
@@ -92,15 +97,10 @@ def goodput(cfg: Config, reference: Path, faulted: Path) -> float | None:
 
 
 def same_parameters(cfg: Config, a: Path, b: Path) -> bool:
-    import torch
-
-    from allhands.checkpoint import committed, load_model_weights
-    from allhands.trainer import Job, build_data, build_reference_model
-
     _, _, vocab = build_data(cfg, Job())
     (_, pa), (_, pb) = committed(a / "checkpoints")[-1], committed(b / "checkpoints")[-1]
-    wa = load_model_weights(pa, build_reference_model(cfg, vocab)).state_dict()
-    wb = load_model_weights(pb, build_reference_model(cfg, vocab)).state_dict()
+    wa = load_weights(build_reference_model(cfg, vocab), pa).state_dict()
+    wb = load_weights(build_reference_model(cfg, vocab), pb).state_dict()
     return all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -108,8 +108,6 @@ def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
               plan: list[Fault] | None = None) -> bool:
     """Undisturbed run, faulted run, table. True when the final parameters are equal.
     ``plan`` replaces the seeded plan (benchmarks place faults at fixed intervals)."""
-    from allhands.launch import train_job
-
     spec = spec.validated()
     world = spec.nproc * spec.nnodes
     if cfg.checkpoint.interval < 1:

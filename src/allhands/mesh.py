@@ -1,8 +1,8 @@
 """The one owner of the process group and the named device mesh.
 
 Built once per worker and passed explicitly to every strategy; nothing else creates process
-groups. Today the mesh has one dimension, ``dp_replicate``; the sharding issue adds ``dp_shard``,
-``tp`` and ``pp`` here, and every strategy keeps asking this object for its group.
+groups. Its four named dimensions are ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; every
+strategy asks this object for the group of the dimension it works over.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from allhands.admission import admit_peers
 from allhands.config import MESH_DIMS, ParallelConfig, mesh_sizes
+from allhands.env import worker_env
 from allhands.errors import ConfigError
 
 
@@ -158,6 +159,4 @@ class Mesh:
 
 
 def _has_rendezvous_env() -> bool:
-    from allhands.launch import worker_env  # launch.py is the one reader of the launcher's env
-
     return worker_env().launched

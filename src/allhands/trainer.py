@@ -21,25 +21,22 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allhands.cadence import Cadence
-from allhands.checkpoint import (Checkpointer, ModelOptimState, RNGState, TrainState, check_compatible,
-                                 seed_rank)
+from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
+                                 check_compatible, load_weights, seed_rank)
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
 from allhands.faults import FaultInjector, NonFiniteGuard
-from allhands.launch import worker_env
+from allhands.env import gloo_interface, worker_env
+from allhands.heartbeat import Heartbeat
 from allhands.mesh import Mesh
-from allhands.launch import gloo_interface
 from allhands.metrics import MetricsWriter, iface_tx_bytes
 from allhands.models import GPT, GPTConfig
-from allhands.export import load_weights
 from allhands.memory import local, log_memory, peak_memory, state_bytes
 from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
 from allhands.parallel.pipeline import build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import optimizer_for_checkpoint
-from allhands.supervise import Heartbeat
 from allhands.sync import build_sync
 
 ModelFn = Callable[[Config], nn.Module]

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from allhands.admission import admit_peers
-from allhands.launch import reported_failures, worker_env
+from allhands.env import worker_env
+from allhands.worker import reported_failures
 from allhands.mesh import Mesh
 
 out, hold = Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0

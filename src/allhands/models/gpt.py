@@ -123,50 +123,5 @@ class GPT(nn.Module):
             return x
         return self.lm_head(self.ln_f(x))
 
-    def tp_plan(self, sequence_parallel: bool = True) -> dict:
-        """The reference GPT's plan (torchtitan llama3's, with a learned position embedding).
-
-        Shapes with sequence parallel on, per rank: tok_emb out ``(B, T/tp, C)`` (row-wise over the
-        vocabulary: each rank looks up its vocabulary rows, then a reduce-scatter over T);
-        qkv/fc out ``(B, T, 3C/tp)`` / ``(B, T, 4C/tp)``; lm_head in ``(B, T, C)`` (all-gathered),
-        out ``(B, T, V)`` replicated for the loss. ``self`` may be a pipeline stage: absent parts are
-        left out of the plan.
-        """
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                       RowwiseParallel, SequenceParallel)
-
-        from allhands.parallel.tensor import ReplicateParallel
-
-        sp = sequence_parallel
-        seq = Shard(1) if sp else Replicate()
-        plan: dict = {}
-        if getattr(self, "tok_emb", None) is not None:
-            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-            plan["pos_emb"] = ReplicateParallel(output_layout=Shard(0) if sp else Replicate())
-        for name in self.blocks.keys():
-            b = f"blocks.{name}"
-            norm = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
-            plan.update({
-                f"{b}.ln1": norm,
-                f"{b}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                f"{b}.attn.qkv": ColwiseParallel(),
-                f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
-                f"{b}.ln2": SequenceParallel() if sp else ReplicateParallel(use_local_output=False),
-                f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                f"{b}.mlp.fc": ColwiseParallel(),
-                f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq),
-            })
-        if getattr(self, "lm_head", None) is not None:
-            plan["ln_f"] = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
-            plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
-        return plan
-
-    def pipeline_split_points(self, n_stages: int) -> list[str]:
-        """Balanced pipeline split: the FQNs of the blocks that begin stages 1..n_stages-1."""
-        from allhands.parallel.pipeline import balanced_split
-
-        return balanced_split(len(self.blocks), n_stages)
-
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

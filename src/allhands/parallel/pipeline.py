@@ -4,7 +4,7 @@ Split (torchtitan's manual split). A model is a sequence of *units*: its top-lev
 registration order, with ``nn.ModuleList`` / ``nn.ModuleDict`` children expanded into their
 entries (GPT: ``tok_emb, pos_emb, drop, blocks.0 .. blocks.L-1, ln_f, lm_head``). Split points
 are the FQNs of the units that begin stages 1, 2, ...; the reference GPT computes balanced
-ones (``GPT.pipeline_split_points``), a user model names them (``parallel.pp_split``). A stage
+ones (:func:`balanced_split`), a user model names them (``parallel.pp_split``). A stage
 is a deep copy of the whole model with every unit of the other stages deleted: an attribute
 becomes ``None`` and a container entry (also a top-level ``nn.Sequential``'s) is removed *by
 key*, so the remaining parameters keep
@@ -34,6 +34,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
                                                     ScheduleInterleaved1F1B)
+
+from allhands.models import GPT
+from allhands.parallel.tensor import _tied_groups
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE = {"interleaved1f1b"}
@@ -105,8 +108,6 @@ def stage_ids_of(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
 
 def tied_across_stages(model: nn.Module, per_stage: list[list[str]]) -> list[list[tuple[int, str]]]:
     """Groups of (stage, FQN) sharing one tensor in ``model`` but placed on different stages."""
-    from allhands.parallel.tensor import _tied_groups
-
     def stage_of(fqn: str) -> int:
         for s, us in enumerate(per_stage):
             if any(fqn == u or fqn.startswith(u + ".") for u in us):
@@ -250,7 +251,7 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     """Cut ``model`` into ``pp_size * stages_per_rank`` stages and keep this rank's.
 
     ``split_points``: FQNs of the units that begin stages 1.. (None: the model's own
-    ``pipeline_split_points(n_stages)``). ``tied_group``: the group of the ranks holding the
+    ``pipeline_split_points(n_stages)``; a GPT's default: :func:`balanced_split`). ``tied_group``: the group of the ranks holding the
     first and the last stage (None: ``group``, which is exactly those two ranks when pp=2).
     """
     if schedule not in SCHEDULES:
@@ -261,6 +262,8 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     n_stages = pp_size * stages_per_rank
     if split_points is None:
         auto = getattr(model, "pipeline_split_points", None)
+        if auto is None and isinstance(model, GPT):  # the reference GPT: equal blocks per stage
+            auto = lambda n: balanced_split(len(model.blocks), n)  # noqa: E731
         if auto is None:
             raise ValueError(f"parallel.pp_split: the model {type(model).__name__} has no automatic "
                              f"split; name the {n_stages - 1} units that begin stages 1.. "

@@ -1,8 +1,7 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) on DTensor's ``parallelize_module``.
 
-A plan maps module FQNs to DTensor parallel styles. The reference GPT brings its own
-(``GPT.tp_plan``, modelled on torchtitan's ``models/llama3/parallelize.py``); a user model can
-define a ``tp_plan(sequence_parallel: bool) -> dict`` method the same way, or pass ``plan=`` here
+A plan maps module FQNs to DTensor parallel styles. The reference GPT's is :func:`gpt_tp_plan`
+(modelled on torchtitan's ``models/llama3/parallelize.py``); a user model can define a ``tp_plan(sequence_parallel: bool) -> dict`` method the same way, or pass ``plan=`` here
 (``allhands.train(..., tp_plan=...)``). Per block, with tp ranks and sequence parallel on
 (Korthikanti et al. 2022), the residual stream between modules is a local ``(B, T/tp, C)``:
 
@@ -24,9 +23,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import distribute_module
+
+from allhands.models import GPT
 
 TPPlan = dict[str, ParallelStyle]
 PlanFn = Callable[[nn.Module, bool], TPPlan]
@@ -85,11 +87,47 @@ def _get_param(model: nn.Module, fqn: str) -> nn.Parameter:
     return getattr(model.get_submodule(mod_name), p_name)
 
 
+def gpt_tp_plan(model: GPT, sequence_parallel: bool = True) -> TPPlan:
+    """The reference GPT's plan, the default for a GPT (torchtitan llama3's, with a learned position embedding).
+
+    Shapes with sequence parallel on, per rank: tok_emb out ``(B, T/tp, C)`` (row-wise over the
+    vocabulary: each rank looks up its vocabulary rows, then a reduce-scatter over T);
+    qkv/fc out ``(B, T, 3C/tp)`` / ``(B, T, 4C/tp)``; lm_head in ``(B, T, C)`` (all-gathered),
+    out ``(B, T, V)`` replicated for the loss. ``model`` may be a pipeline stage: absent parts are
+    left out of the plan.
+    """
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    plan: dict = {}
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        plan["pos_emb"] = ReplicateParallel(output_layout=Shard(0) if sp else Replicate())
+    for name in model.blocks.keys():
+        b = f"blocks.{name}"
+        norm = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
+        plan.update({
+            f"{b}.ln1": norm,
+            f"{b}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            f"{b}.attn.qkv": ColwiseParallel(),
+            f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+            f"{b}.ln2": SequenceParallel() if sp else ReplicateParallel(use_local_output=False),
+            f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            f"{b}.mlp.fc": ColwiseParallel(),
+            f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq),
+        })
+    if getattr(model, "lm_head", None) is not None:
+        plan["ln_f"] = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    return plan
+
+
 def resolve_plan(model: nn.Module, plan: TPPlan | PlanFn | None, sequence_parallel: bool) -> TPPlan:
     """The plan to use: an explicit dict, a callable ``(model, sequence_parallel)``, or the
-    model's own ``tp_plan(sequence_parallel)`` method."""
+    model's own ``tp_plan(sequence_parallel)`` method (a GPT's default: :func:`gpt_tp_plan`)."""
     if plan is None:
         own = getattr(model, "tp_plan", None)
+        if own is None and isinstance(model, GPT):
+            return gpt_tp_plan(model, sequence_parallel)
         if own is None:
             raise ValueError(f"parallel.tp: the model {type(model).__name__} has no tensor-parallel "
                              "plan; give it a tp_plan(sequence_parallel) method or pass "

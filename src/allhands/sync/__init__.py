@@ -7,6 +7,7 @@ import torch.nn as nn
 from allhands.config import Config
 from allhands.mesh import Mesh
 from allhands.sync.allreduce import AllReduceSync
+from allhands.sync.auto import choose
 from allhands.sync.base import SyncStrategy
 from allhands.sync.diloco import DiLoCoSync, LocalSGDSync, replicate_group
 
@@ -17,8 +18,6 @@ def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy,
     """The strategy ``parallel.sync`` names (``auto`` measured here), and a line for the log."""
     s, name, note = cfg.sync, cfg.parallel.sync, ""
     if name == "auto":
-        from allhands.sync.auto import choose
-
         name, note = choose(model, replicate_group(mesh), mesh.device, s.auto_max_comm_s)
     if name == "allreduce":
         strategy: SyncStrategy = AllReduceSync(

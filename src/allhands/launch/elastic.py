@@ -1,8 +1,8 @@
 """Multi-node restarts on torch's elastic agent: one line per failure, backoff, a restart limit
-with a clean stop, and the node that left or came back named (issues 4 and 5).
+with a clean stop, and the node that left or came back named.
 
 A multi-node job cannot restart from outside the agent the way a single node does
-(supervise.py): ``elastic_launch`` closes the rendezvous for good when it returns, and the other
+(supervisor.py): ``elastic_launch`` closes the rendezvous for good when it returns, and the other
 nodes' agents re-rendezvous only with a live agent. So the restart stays torch's
 (``SimpleElasticAgent._invoke_run``: monitor, stop, re-rendezvous, start) and
 :class:`SupervisedAgent` hooks its two seams:
@@ -32,6 +32,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import (
@@ -39,8 +40,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from allhands.errors import LaunchError
-from allhands.supervise import (MAX_FLAKE_RETRIES, RestartPolicy, WorkerFailure, _log_event,
-                                _restart_point, _say, clear_heartbeats, progressed, take_hangs)
+from allhands.heartbeat import clear_heartbeats, progressed, take_hangs
+from allhands.launch.supervisor import (MAX_FLAKE_RETRIES, RestartPolicy, WorkerFailure, _log_event,
+                                         _restart_point, _say)
 
 # gloo's words for a peer that went away: "[.../pair.cc:553] Connection closed by peer
 # [10.61.0.2]:32440. This is typically caused by a remote worker crashing. ..."
@@ -159,7 +161,6 @@ class LocalAgent(LocalElasticAgent):
     def _add_local_failures(self, result, worker_group, exits: dict[int, tuple[int, int]]) -> None:
         """Add to ``result.failures`` the workers of this node that failed besides the one torch
         reports, with their error files, so that the verdict sees every cause."""
-        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
         for w in worker_group.workers:
             pid, code = exits.get(w.local_rank, (0, 0))
@@ -297,10 +298,6 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
               node_timeout_s: float, external_store: bool = False) -> dict[int, Any]:
     """``launch_agent`` with :class:`SupervisedAgent` (``policy`` None: :class:`LocalAgent`, for a
     single node, which restarts outside). Raises WorkerFailure / LaunchError with one line."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from allhands.launch import failure_summary
-
     spec = WorkerSpec(rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), **spec_kw)
     if policy is None:
         agent = LocalAgent(spec=spec, logs_specs=logs_specs, start_method="spawn")
@@ -317,8 +314,7 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
             final = getattr(agent, "final", None)
             if final:
                 raise WorkerFailure(final)
-            raise WorkerFailure(failure_summary(ChildFailedError(name="allhands", failures=result.failures),
-                                                node=node))
+            raise WorkerFailure(describe_failures(result.failures, first_failure(result.failures), node))
         return result.return_values
     except SignalException:
         shutdown = False  # as launch_agent: a signalled agent leaves the rendezvous open

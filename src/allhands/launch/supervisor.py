@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from allhands.checkpoint import committed
 from allhands.errors import LaunchError
+from allhands.heartbeat import HANGS_FILE, Hang, find_hang, progressed, read_heartbeats
 
 # Worker failures whose cause repeats on every restart: restarting would only burn the budget.
 FATAL_CAUSES = ("ConfigError:", "CheckpointError:", "DataError:", "NonFiniteError:")
@@ -66,71 +68,6 @@ class WorkerFailure(LaunchError):
     def __init__(self, summary: str):
         super().__init__(summary)
         self.summary = summary
-
-
-# --------------------------------------------------------------------------- heartbeats
-
-
-class Heartbeat:
-    """Worker side: ``rank-R`` in the launcher's heartbeat directory holds 'pid step time host'.
-
-    Written by rename, so the watchdog never reads half a line. A no-op outside a supervised job.
-    """
-
-    def __init__(self, directory: str, rank: int):
-        self.path = Path(directory) / f"rank-{rank}" if directory else None
-        self.pid, self.host = os.getpid(), socket.gethostname()
-        self.first: int | None = None
-
-    def beat(self, step: int, done: bool = False) -> None:
-        if self.path is None:
-            return
-        self.first = step if self.first is None else self.first
-        tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
-        tmp.write_text(f"{self.pid} {step} {time.time()!r} {self.host} {int(done)} {self.first}\n")
-        os.replace(tmp, self.path)
-
-
-@dataclass
-class Hang:
-    rank: int
-    pid: int
-    step: int
-    stale_s: float
-    host: str
-    detected_at: float
-
-    def describe(self, timeout: float) -> str:
-        return (f"worker rank {self.rank} (pid {self.pid}) on node {self.host} hung: no progress for "
-                f"{self.stale_s:.1f} s after step {self.step} (fault.hang_timeout_s={timeout:g}); "
-                f"the watchdog killed it")
-
-
-def read_heartbeats(directory: Path) -> dict[int, tuple[int, int, float, str, bool, int]]:
-    """``{rank: (pid, step, time, host, done, first step)}`` for every readable heartbeat file."""
-    out = {}
-    for p in directory.glob("rank-*"):
-        try:
-            pid, step, t, host, done, first = p.read_text().split()
-            out[int(p.name[5:])] = (int(pid), int(step), float(t), host, done == "1", int(first))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def find_hang(beats: dict[int, tuple[int, int, float, str, bool]], now: float, timeout: float,
-              alive: Callable[[int], bool]) -> list[Hang]:
-    """The hung ranks: of the live, unfinished ranks, those at the lowest step, if the oldest of
-    them has not beaten for ``timeout`` s. Ranks blocked in a collective waiting for a hung peer
-    stop beating too, but they got one step further, so they are not blamed."""
-    live = {r: b for r, b in beats.items() if not b[4] and alive(b[0])}
-    if not live:
-        return []
-    low = min(b[1] for b in live.values())
-    cands = {r: b for r, b in live.items() if b[1] == low}
-    if now - min(b[2] for b in cands.values()) < timeout:
-        return []
-    return [Hang(r, b[0], b[1], now - b[2], b[3], now) for r, b in sorted(cands.items())]
 
 
 def _alive(pid: int) -> bool:
@@ -193,33 +130,6 @@ class Watchdog:
         return progressed(self.dir)
 
 
-HANGS_FILE = "hangs.log"
-
-
-def progressed(directory: Path) -> bool:
-    """Did the workers beating into ``directory`` complete a step? The first beat is the resumed
-    step S, the next 'working on S+1', so a completed step shows as S+2."""
-    return any(b[1] >= b[5] + 2 for b in read_heartbeats(directory).values())
-
-
-def take_hangs(directory: Path) -> list[str]:
-    """The watchdog's descriptions of the workers it killed since the last call."""
-    path = directory / HANGS_FILE
-    try:
-        lines = path.read_text().splitlines()
-        path.unlink()
-    except OSError:
-        return []
-    return [line for line in lines if line]
-
-
-def clear_heartbeats(directory: Path) -> None:
-    """Forget the beats of stopped workers before torch's agent starts new ones (their ranks
-    may differ after a re-rendezvous, and a stale beat would count as progress)."""
-    for p in directory.glob("rank-*"):
-        p.unlink(missing_ok=True)
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -228,8 +138,6 @@ def _say(msg: str) -> None:
 
 
 def _restart_point(run_dir: Path | None) -> str:
-    from allhands.checkpoint import committed
-
     if run_dir is None:  # `allhands launch script.py`: the script owns its run directory
         return "the script's last committed checkpoint"
     found = committed(run_dir / "checkpoints")
@@ -302,6 +210,4 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
             _say(f"allhands: {summary}; {what} from {record['resume_from']} after {delay:.1f} s")
             n += 1
     finally:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.futures import Future
 
-from allhands.security import file_digest
+from allhands.checkpoint.manifest import file_digest
 
 # Niceness of an async save's writer thread. DCP's serialisation is ~60 ms of CPU per rank per
 # 38 MiB save here (mostly per-item torch.save overhead); at nice 0 it takes that from the

@@ -1,8 +1,8 @@
-"""Starting workers: torch's elastic launcher (``torch.distributed.launcher.api``) with our
-environment fixes, the run directory, and a one-line failure summary.
+"""Starting workers: torch's elastic launcher with our environment fixes, narrow listeners,
+the job secret handed to the workers, and a one-line failure summary.
 
-This module and config.py are the only readers of environment variables. Single-host jobs bind
-to loopback (``GLOO_SOCKET_IFNAME=lo``, rendezvous at 127.0.0.1 on a free port); multi-node jobs
+With env.py, the one place that touches environment variables. Single-host jobs bind to
+loopback (``GLOO_SOCKET_IFNAME=lo``, rendezvous at 127.0.0.1 on a free port); multi-node jobs
 use torch's c10d rendezvous at ``--rdzv-endpoint``.
 """
 
@@ -12,118 +12,35 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import ipaddress
 import logging
 import os
 import socket
 import struct
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from allhands.config import Config, to_toml, validate
-from allhands.errors import AllhandsError, ConfigError, LaunchError
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from allhands import admission
+from allhands.config import Config, validate
+from allhands.errors import ConfigError, LaunchError
+from allhands.launch import rendezvous
+from allhands.launch.elastic import node_label, run_agent
+from allhands.launch.rendezvous import Timeouts
+from allhands.launch.rundir import resolve_run
+from allhands.launch.supervisor import RestartPolicy, supervise
+from allhands.worker import worker_main
 
 
-# --------------------------------------------------------------------------- worker side
-
-
-@dataclass(frozen=True)
-class WorkerEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    launched: bool
-    attempt: int = 0  # restarts before this one (ours or torch's agent's)
-    heartbeat_dir: str = ""  # where the supervisor's hang watchdog expects heartbeats
-
-
-def worker_env() -> WorkerEnv:
-    """Rank and world size as torch's launcher set them (0/0/1 when run in-process)."""
-    e = os.environ
-    launched = "RANK" in e and "WORLD_SIZE" in e and "MASTER_ADDR" in e
-    attempt = int(e.get("ALLHANDS_ATTEMPT", 0)) + int(e.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return WorkerEnv(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1)),
-                     launched, attempt if launched else 0,
-                     e.get("ALLHANDS_HEARTBEAT_DIR", "") if launched else "")
-
-
-def gloo_interface() -> str | None:
-    """The interface gloo was pointed at (``_environment_fixes``), for its traffic counters."""
-    return os.environ.get("GLOO_SOCKET_IFNAME")
-
-
-def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
-    """Train in this process as one worker of the job the environment describes."""
-    from allhands.mesh import Mesh
-    from allhands.trainer import Job, Trainer
-
-    env = worker_env()
-    p = cfg.parallel
-    if env.attempt:  # an elastic restart may bring fewer workers: the batch must still divide
-        validate(cfg, world_size=env.world_size, need_data=False)
-    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-                      device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
-                      dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s)
-    try:
-        return Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir)).fit()
-    finally:
-        mesh.destroy()
-
-
-def worker_admission_env() -> tuple[str | None, bool, tuple[str, int] | None]:
-    """The job secret, whether the launcher ran with --insecure, and the worker store's address,
-    as the launcher passed them to this worker (see admission.py)."""
-    from allhands.admission import INSECURE_ENV, SECRET_ENV
-
-    e = os.environ
-    master = (e["MASTER_ADDR"], int(e["MASTER_PORT"])) if e.get("MASTER_PORT", "").isdigit() \
-        and e.get("MASTER_ADDR") else None
-    return e.get(SECRET_ENV) or None, e.get(INSECURE_ENV) == "1", master
-
-
-def _worker_main(cfg_dict: dict, job: Any) -> None:
-    """Entry point of each spawned worker (module level so that spawn can pickle it)."""
-    with reported_failures():
-        run_training(Config.from_dict(cfg_dict), job)
-
-
-@contextlib.contextmanager
-def reported_failures():
-    """In a launched worker: write torch's error file for any exception, so the launcher's
-    summary names the cause; user-caused errors then exit without a traceback."""
-    _worker_setup()
-    try:
-        yield
-    except AllhandsError as e:
-        if worker_env().launched:
-            _record_error(e)
-            sys.exit(e.exit_code)
-        raise
-    except Exception as e:
-        if worker_env().launched:
-            _record_error(e)
-        raise
-
-
-def _worker_setup() -> None:
-    logging.getLogger("torch.distributed").setLevel(logging.WARNING)
-
-
-def _record_error(e: BaseException) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    ErrorHandler().record_exception(e)
-
-
-# --------------------------------------------------------------------------- launcher side
 
 
 def default_nproc() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
@@ -210,8 +127,6 @@ class LaunchSpec:
 
 def check_bind(bind: str) -> None:
     """``--bind`` (train, launch, rendezvous-store) names an IP address: exit 2 otherwise."""
-    import ipaddress
-
     try:
         ipaddress.ip_address(bind)
     except ValueError:
@@ -221,12 +136,10 @@ def check_bind(bind: str) -> None:
 
 def _check_security_args(s: LaunchSpec) -> None:
     """--bind is an address; a multi-node job has a usable secret (exit 2 before anything runs)."""
-    from allhands.admission import job_secret
-
     if s.bind:
         check_bind(s.bind)
     if s.multi_node and not s.insecure:
-        job_secret(multi_node=True, secret_file=s.secret_file, insecure=False, env=os.environ)
+        admission.job_secret(multi_node=True, secret_file=s.secret_file, insecure=False, env=os.environ)
 
 
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
@@ -236,7 +149,7 @@ def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     # signals into a clean stop of its workers.
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
-    # These two log each worker failure with a traceback of the *agent*; failure_summary()
+    # These two log each worker failure with a traceback of the *agent*; describe_failures()
     # says the same in one line with the worker's own cause.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -250,8 +163,6 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
 
     Raises LaunchError with one line per failed rank when the job fails for good.
     """
-    from allhands.supervise import RestartPolicy, supervise
-
     spec = spec.validated()
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
     if policy is None:
@@ -274,12 +185,6 @@ def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
                  run_dir: Path | None = None, timeouts: Any = None) -> None:
     """One run of torch's elastic agent with a fresh rendezvous; with a ``policy`` (multi-node)
     the agent restarts the workers itself (elastic.py). A failure is a WorkerFailure."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from allhands.elastic import node_label, run_agent
-    from allhands.rendezvous import Timeouts
-
     timeouts = timeouts or Timeouts()
     run_id = spec.run_id or _default_run_id(spec)
     with _secured(spec, run_id, timeouts) as listeners:
@@ -300,8 +205,6 @@ def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
 def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
     """Bind this node's listeners narrowly (rendezvous.py) and hand the job secret to the
     workers through the environment (admission.py); both undone when the job ends."""
-    from allhands import admission, rendezvous
-
     secret = admission.job_secret(multi_node=spec.multi_node, secret_file=spec.secret_file,
                                   insecure=spec.insecure, env=os.environ)
     listeners = rendezvous.plan(run_id=run_id, multi_node=spec.multi_node,
@@ -354,83 +257,6 @@ def _default_run_id(spec: LaunchSpec, run_dir: str = "") -> str:
     return uuid.uuid4().hex[:12]
 
 
-def failure_summary(e: Any, node: str | None = None) -> str:
-    """'worker rank R (pid P) on node N failed: cause' for the first failure and any other rank
-    that raised (``e``: torch's ChildFailedError); see elastic.describe_failures."""
-    from allhands.elastic import describe_failures, first_failure
-
-    return describe_failures(e.failures, first_failure(e.failures), node or socket.gethostname())
-
-
-# --------------------------------------------------------------------------- the run directory
-
-
-def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
-                write: bool = True) -> Config:
-    """Validate, settle the run directory and data path; ``write`` creates the directory and
-    config.resolved.toml (the launcher, or rank 0 of a launched script)."""
-    from allhands.data import prepare_embedded
-
-    validate(cfg, world_size=world_size)
-    cfg = Config.from_dict(cfg.to_dict())
-    if multi_node and not (resume or cfg.run.dir):
-        raise ConfigError("run.dir: a multi-node job needs one run directory on a filesystem every "
-                          "node shares; pass --set run.dir=/shared/path")
-    if resume:
-        run_dir = Path(resume)
-    elif cfg.run.dir:
-        run_dir = Path(cfg.run.dir)
-        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-            if not (multi_node and _same_job(run_dir, cfg)):
-                raise ConfigError(f"run.dir: {str(run_dir)!r} already holds checkpoints; continue it "
-                                  f"with --resume {run_dir} or choose another run.dir")
-            # A requeued node (or job) runs its original command again (Slurm --requeue, a
-            # Kubernetes restart): it rejoins the job it belongs to, which resumes from the
-            # last committed checkpoint (the workers check that checkpoint's config).
-            print(f"allhands: run.dir {str(run_dir)!r} holds this job's checkpoints: this node "
-                  f"rejoins it (a requeued node or job)", file=sys.stderr, flush=True)
-            write = False
-    else:
-        run_dir = Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        n = 1
-        while run_dir.exists():
-            n += 1
-            run_dir = run_dir.with_name(run_dir.name.split("+")[0] + f"+{n}")
-    run_dir = run_dir.resolve()
-    cfg.run.dir = str(run_dir)
-    if not cfg.data.path:
-        cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
-    if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.resolved.toml").write_text(to_toml(cfg))
-    return cfg
-
-
-def _same_job(run_dir: Path, cfg: Config) -> bool:
-    """``run_dir`` was made by this config: the same resolved config up to the fields that
-    differ between hosts or launches (threads per worker)."""
-    from allhands.config import load_config
-
-    path = run_dir / "config.resolved.toml"
-    if not path.is_file():
-        return False
-    try:
-        saved = load_config(path).to_dict()
-    except AllhandsError:
-        return False
-    now = cfg.to_dict()
-    local = [("run", "threads"), ("run", "dir")] + ([] if cfg.data.path else [("data", "path")])
-    for d in (saved, now):
-        for sec, name in local:
-            d[sec].pop(name, None)
-    return saved == now
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "allhands"
-
-
 def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None = None) -> Config:
     """Launcher side of ``allhands train``: resolve, then start every worker of this node."""
     spec = spec.validated()
@@ -451,7 +277,7 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
           file=sys.stderr, flush=True)
     if spec.rdzv_store == "external" and not spec.run_id:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
-    launch(_worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
+    launch(worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))
     return cfg
@@ -459,16 +285,12 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
 
 def rendezvous_timeouts(cfg: Config):
     """How long a multi-node (re-)rendezvous waits, from ``fault.*`` (README, "Losing a node")."""
-    from allhands.rendezvous import Timeouts
-
     f = cfg.fault
     return Timeouts(join_s=f.rdzv_join_timeout_s, last_call_s=f.rdzv_last_call_s, node_s=f.node_timeout_s)
 
 
 def restart_policy(cfg: Config, spec: LaunchSpec):
     """``--max-restarts`` (when given) wins over ``fault.max_restarts``."""
-    from allhands.supervise import RestartPolicy
-
     f = cfg.fault
     restarts = spec.max_restarts if spec.max_restarts >= 0 else f.max_restarts
     return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s)

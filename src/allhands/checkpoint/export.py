@@ -1,5 +1,6 @@
-"""Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``
-and ``checkpoint.init_from = "model.safetensors"``.
+"""Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``,
+``checkpoint.init_from`` and :func:`load_weights`, the one way to put saved weights (a
+.safetensors file or a committed checkpoint directory) into a plain module.
 
 Export needs neither processes nor the model's code: the checkpoint's DCP metadata lists every
 model tensor with its global shape and dtype, so empty tensors of those shapes are allocated and
@@ -19,9 +20,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from allhands.checkpoint import committed
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from allhands.checkpoint.catalog import committed
+from allhands.checkpoint.manifest import verify_manifest
+from allhands.checkpoint.safe import SafeFileSystemReader
 from allhands.errors import CheckpointError, ConfigError
-from allhands.security import SafeFileSystemReader, verify_manifest
 
 # ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
 _PREFIX = "model.model."
@@ -44,8 +49,6 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None) -> Path:
     """Write the model weights of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out``."""
-    from safetensors.torch import save_file
-
     found = committed(Path(run_dir) / "checkpoints")
     if not found:
         raise ConfigError(f"export: {str(run_dir)!r} has no committed checkpoint; pass a run "
@@ -66,16 +69,18 @@ def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Copy a .safetensors file's tensors into a plain (not yet parallelized) ``model``; every
-    parameter and buffer must be there with its shape."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        sd = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"checkpoint.init_from: {str(path)!r} is not a readable .safetensors "
-                              f"file ({e}); pass a file written by `allhands export`") from None
+    """Copy saved weights into a plain (not yet parallelized) ``model``: ``path`` is a
+    .safetensors file (``allhands export``) or a committed checkpoint directory. Every parameter
+    and buffer must be there with its shape."""
+    if Path(path).is_dir():
+        sd = checkpoint_weights(Path(path))
+    else:
+        try:
+            sd = load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"checkpoint.init_from: {str(path)!r} is not a readable "
+                                  f".safetensors file ({e}); pass a file written by `allhands "
+                                  f"export`") from None
     own = model.state_dict()
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))

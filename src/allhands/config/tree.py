@@ -1,0 +1,319 @@
+"""The one typed config tree: defaults < TOML file < ``--set section.field=value``.
+
+Every field carries a one-line doc in ``field(metadata={"doc": ...})`` so that
+``allhands config show`` and docs/configuration.md can print it. This module holds the tree,
+its merging and its TOML form; validate.py checks the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from allhands.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """The reference GPT decoder (ignored when the Python API is given its own model)."""
+
+    n_layer: int = _f(4, "number of transformer blocks")
+    n_head: int = _f(4, "attention heads per block")
+    n_embd: int = _f(128, "embedding width; must be divisible by n_head")
+    seq_len: int = _f(128, "context length in tokens (also the training sample length)")
+    vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
+    dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
+    bias: bool = _f(True, "use bias in linear layers and layer norms")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2), also across pp stages")
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from and how samples are drawn."""
+
+    path: str = _f("", "directory made by `allhands prepare`; empty uses the embedded corpus")
+    seed: int = _f(1234, "seed of the sample order; the order is independent of the worker count")
+    eval_batches: int = _f(4, "global eval batches drawn from the held-out split per evaluation")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = _f(3e-3, "peak learning rate, > 0")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr, in [0, 1]")
+    warmup_steps: int = _f(20, "linear warmup steps, >= 0")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on biases and norms), >= 0")
+    beta1: float = _f(0.9, "AdamW beta1, in [0, 1)")
+    beta2: float = _f(0.95, "AdamW beta2, in [0, 1)")
+    eps: float = _f(1e-8, "AdamW epsilon, > 0")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 disables")
+    name: str = _f("adamw", "optimizer: adamw, or sgd (plain SGD with lr and weight_decay; no momentum)")
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is cut across processes."""
+
+    dp_replicate: int = _f(-1, "data-parallel replicas; -1 = the rest of the workers (all of them by default)")
+    sync: str = _f("allreduce", "how replicas reconcile: allreduce (every step), diloco, "
+                   "local_sgd (both sync every sync.inner_steps over dp_replicate) or auto (measured; see README)")
+    bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
+    backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
+    timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
+    # The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (torchtitan's ParallelDims
+    # order); the product of the four sizes is the world size, and at most one of them is -1.
+    dp_shard: int = _f(1, "data-parallel ranks that shard the training state (ZeRO/FSDP); -1 = the rest")
+    tp: int = _f(1, "tensor-parallel degree; -1 = the rest of the workers")
+    pp: int = _f(1, "pipeline-parallel stages; -1 = the rest of the workers")
+    zero: int = _f(0, "ZeRO stage over dp_shard: 0 DDP, 1 optimizer state, 2 +gradients, 3 +parameters")
+    ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
+    reduce_dtype: str = _f("fp32", "gradient reduction dtype under zero 2/3 with run.precision=bf16: fp32 or bf16")
+    # tensor and pipeline parallelism (parallel/tensor.py, parallel/pipeline.py)
+    tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti 2022)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved1f1b")
+    pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
+    pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
+    pp_split: str = _f("", "comma-separated FQNs of the units beginning stages 1..; empty = the model's own")
+
+
+@dataclass
+class SyncConfig:
+    """Options of the strategy chosen by parallel.sync (issue 5: communicating less)."""
+
+    compress: str = _f("none", "allreduce gradient compression: none, fp16, bf16 or powersgd")
+    powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank, >= 1")
+    powersgd_start_step: int = _f(10, "PowerSGD: plain all-reduce for this many steps first, >= 1")
+    inner_steps: int = _f(50, "diloco/local_sgd: local steps H between outer syncs, >= 1")
+    outer_lr: float = _f(0.7, "diloco: outer learning rate (DiLoCo paper: 0.7), > 0")
+    outer_momentum: float = _f(0.9, "diloco: outer SGD momentum (paper: 0.9), in [0, 1)")
+    outer_nesterov: bool = _f(True, "diloco: Nesterov outer momentum (paper: true)")
+    outer_compress: str = _f("none", "diloco/local_sgd outer sync payload: none, fp16, bf16 or int8")
+    auto_max_comm_s: float = _f(0.05, "auto: choose diloco when one gradient all-reduce is "
+                                "predicted to take longer than this (seconds), > 0")
+    sync_warmup_steps: int = _f(0, "diloco/local_sgd: synchronous data-parallel steps before the "
+                                "first round (post-local SGD), >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed Checkpoint saves inside the run directory."""
+
+    interval: int = _f(100, "save every this many steps; 0 saves only at the end")
+    keep_last: int = _f(2, "committed checkpoints to keep, >= 1")
+    at_end: bool = _f(True, "save a checkpoint after the last step")
+    init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
+
+    mode: str = _f("async", "async (only the copy to host memory blocks the step) or sync")
+    max_overhead: float = _f(0.0, "0 = save every `interval` steps; > 0: save every smallest multiple "
+                             "of `interval` steps whose measured save cost stays under this fraction "
+                             "of the training time (CheckFreq), e.g. 0.02; in [0, 1)")
+
+
+@dataclass
+class FaultConfig:
+    """Surviving failures: restarts, the hang watchdog, non-finite numbers, injected faults."""
+
+    max_restarts: int = _f(0, "restart all workers from the last checkpoint this many times, >= 0")
+    backoff_s: float = _f(1.0, "wait before a restart: backoff_s * 2**(k-1) after k failures in a row "
+                                    "that completed no step, capped at 60 s; >= 0")
+    hang_timeout_s: float = _f(180.0, "kill a worker with no step progress for this long; 0 disables")
+    nonfinite: str = _f("skip", "on a NaN/Inf loss or gradient: skip (the update), rollback, or stop")
+    max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
+    inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
+                         "exception, oom, hang, nan, ckpt (kill during the checkpoint write), "
+                         "flake (gloo's connectFullMesh error before the first step)")
+    node_timeout_s: float = _f(15.0, "multi-node: a node whose agent sent no keep-alive for this long "
+                                     "is dropped from the rendezvous (a lost host), >= 3")
+    rdzv_last_call_s: float = _f(10.0, "multi-node --nnodes MIN:MAX: once MIN nodes joined a "
+                                       "(re-)rendezvous, wait this long for more, > 0")
+    rdzv_join_timeout_s: float = _f(900.0, "multi-node: a (re-)rendezvous with fewer than MIN nodes "
+                                           "fails after this long (time for a host to come back), > 0")
+
+
+@dataclass
+class LogConfig:
+    """What the run reports and where."""
+
+    interval: int = _f(1, "write a metrics line every this many steps, >= 1")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+
+
+@dataclass
+class RunConfig:
+    """The job as a whole."""
+
+    name: str = _f("default", "job name, used in the run directory's name")
+    dir: str = _f("", "run directory; empty makes runs/<name>-<timestamp>")
+    steps: int = _f(300, "optimizer steps to train, >= 1")
+    global_batch: int = _f(32, "samples per optimizer step over all workers")
+    micro_batches: int = _f(1, "gradient-accumulation micro-batches per worker per step, >= 1")
+    eval_interval: int = _f(50, "evaluate every this many steps; 0 evaluates only at start and end")
+    seed: int = _f(0, "seed of model initialisation and of every per-rank RNG")
+    device: str = _f("auto", "auto (cuda when available, else cpu), cpu or cuda")
+    precision: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+    check_sync: bool = _f(False, "debug: compare a parameter checksum across ranks after each update")
+    threads: int = _f(0, "torch intra-op threads per CPU worker; 0 = CPU cores / workers on the node")
+
+
+@dataclass
+class Config:
+    """The root of the tree; each section is one component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        cfg = cls()
+        _merge(cfg, d, "")
+        return cfg
+
+
+# --------------------------------------------------------------------------- merging
+
+_SCALARS = (bool, int, float, str)
+
+
+def _type_of(section: Any, name: str) -> type:
+    hints = typing.get_type_hints(type(section))
+    t = hints[name]
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:  # pragma: no cover
+        raise TypeError(f"config field {name} must have one scalar type")
+    return t
+
+
+def _coerce(value: Any, t: type, path: str) -> Any:
+    """Check a TOML value against the field type; ints are accepted for floats."""
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+    elif t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif t is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{path}: expected {t.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _merge(node: Any, d: Any, prefix: str) -> None:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {d!r}")
+    known = {f.name: f for f in dataclasses.fields(node)}
+    for key, value in d.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            allowed = ", ".join(sorted(known))
+            raise ConfigError(f"{path}: unknown key; allowed here: {allowed}")
+        current = getattr(node, key)
+        if dataclasses.is_dataclass(current):
+            _merge(current, value, path + ".")
+        else:
+            setattr(node, key, _coerce(value, _type_of(node, key), path))
+
+
+def _parse_literal(raw: str) -> Any:
+    """Parse the right-hand side of ``--set`` as a TOML value, else take it as a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.field=value, e.g. optim.lr=3e-4")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: the key must be section.field, e.g. optim.lr")
+    section, name = parts
+    value = _parse_literal(raw.strip())
+    # A string field keeps exactly what was typed (a run name "1e3" stays a string).
+    node = getattr(cfg, section, None)
+    if dataclasses.is_dataclass(node) and name in {f.name for f in dataclasses.fields(node)}:
+        if _type_of(node, name) is str and not isinstance(value, str):
+            value = raw.strip()
+    _merge(cfg, {section: {name: value}}, "")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults < TOML file < overrides, then validated. Raises ConfigError."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        _merge(cfg, data, "")
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{s}"'
+
+
+def to_toml(cfg: Config, with_docs: bool = False) -> str:
+    """Render the tree as TOML that :func:`load_config` reads back to an equal Config."""
+    out: list[str] = []
+    for sec in dataclasses.fields(cfg):
+        node = getattr(cfg, sec.name)
+        if out:
+            out.append("")
+        out.append(f"[{sec.name}]")
+        for f in dataclasses.fields(node):
+            line = f"{f.name} = {_toml_value(getattr(node, f.name))}"
+            if with_docs:
+                line = f"{line:<34} # {f.metadata.get('doc', '')}"
+            out.append(line)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,50 @@
+"""The worker's environment as the launcher set it: rank, world size, attempt, heartbeat
+directory, the job secret, the gloo interface. With the launcher, the one reader of
+environment variables; worker-side code asks here instead of reading ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+SECRET_ENV = "ALLHANDS_SECRET"
+"""The job secret (multi-node: the same string on every node; single node: set by the launcher)."""
+SECRET_FILE_ENV = "ALLHANDS_SECRET_FILE"
+"""A file holding the job secret; must not be readable by every user."""
+INSECURE_ENV = "ALLHANDS_INSECURE"
+"""Set to 1 by ``--insecure``: workers skip admission."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    launched: bool
+    attempt: int = 0  # restarts before this one (ours or torch's agent's)
+    heartbeat_dir: str = ""  # where the supervisor's hang watchdog expects heartbeats
+
+
+def worker_env() -> WorkerEnv:
+    """Rank and world size as torch's launcher set them (0/0/1 when run in-process)."""
+    e = os.environ
+    launched = "RANK" in e and "WORLD_SIZE" in e and "MASTER_ADDR" in e
+    attempt = int(e.get("ALLHANDS_ATTEMPT", 0)) + int(e.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return WorkerEnv(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1)),
+                     launched, attempt if launched else 0,
+                     e.get("ALLHANDS_HEARTBEAT_DIR", "") if launched else "")
+
+
+def gloo_interface() -> str | None:
+    """The interface gloo was pointed at (the launcher's environment fixes), for its traffic counters."""
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def worker_admission_env() -> tuple[str | None, bool, tuple[str, int] | None]:
+    """The job secret, whether the launcher ran with --insecure, and the worker store's address,
+    as the launcher passed them to this worker (see admission.py)."""
+    e = os.environ
+    master = (e["MASTER_ADDR"], int(e["MASTER_PORT"])) if e.get("MASTER_PORT", "").isdigit() \
+        and e.get("MASTER_ADDR") else None
+    return e.get(SECRET_ENV) or None, e.get(INSECURE_ENV) == "1", master

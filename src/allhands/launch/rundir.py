@@ -1,0 +1,75 @@
+"""The run directory: validate the config, choose or reuse ``RUN_DIR``, write
+``config.resolved.toml``, and find the data (the embedded corpus by default)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from allhands.config import Config, load_config, to_toml, validate
+from allhands.data import prepare_embedded
+from allhands.errors import AllhandsError, ConfigError
+
+
+def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
+                write: bool = True) -> Config:
+    """Validate, settle the run directory and data path; ``write`` creates the directory and
+    config.resolved.toml (the launcher, or rank 0 of a launched script)."""
+    validate(cfg, world_size=world_size)
+    cfg = Config.from_dict(cfg.to_dict())
+    if multi_node and not (resume or cfg.run.dir):
+        raise ConfigError("run.dir: a multi-node job needs one run directory on a filesystem every "
+                          "node shares; pass --set run.dir=/shared/path")
+    if resume:
+        run_dir = Path(resume)
+    elif cfg.run.dir:
+        run_dir = Path(cfg.run.dir)
+        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            if not (multi_node and _same_job(run_dir, cfg)):
+                raise ConfigError(f"run.dir: {str(run_dir)!r} already holds checkpoints; continue it "
+                                  f"with --resume {run_dir} or choose another run.dir")
+            # A requeued node (or job) runs its original command again (Slurm --requeue, a
+            # Kubernetes restart): it rejoins the job it belongs to, which resumes from the
+            # last committed checkpoint (the workers check that checkpoint's config).
+            print(f"allhands: run.dir {str(run_dir)!r} holds this job's checkpoints: this node "
+                  f"rejoins it (a requeued node or job)", file=sys.stderr, flush=True)
+            write = False
+    else:
+        run_dir = Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        n = 1
+        while run_dir.exists():
+            n += 1
+            run_dir = run_dir.with_name(run_dir.name.split("+")[0] + f"+{n}")
+    run_dir = run_dir.resolve()
+    cfg.run.dir = str(run_dir)
+    if not cfg.data.path:
+        cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
+    if write:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.resolved.toml").write_text(to_toml(cfg))
+    return cfg
+
+
+def _same_job(run_dir: Path, cfg: Config) -> bool:
+    """``run_dir`` was made by this config: the same resolved config up to the fields that
+    differ between hosts or launches (threads per worker)."""
+    path = run_dir / "config.resolved.toml"
+    if not path.is_file():
+        return False
+    try:
+        saved = load_config(path).to_dict()
+    except AllhandsError:
+        return False
+    now = cfg.to_dict()
+    local = [("run", "threads"), ("run", "dir")] + ([] if cfg.data.path else [("data", "path")])
+    for d in (saved, now):
+        for sec, name in local:
+            d[sec].pop(name, None)
+    return saved == now
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "allhands"
