@@ -1,4 +1,4 @@
-"""When the network is the bottleneck (issue 5): two lab hosts joined by 100 Mbit/s links, one
+"""When the network is the bottleneck: two lab hosts joined by 100 Mbit/s links, one
 worker each, the reference GPT sized so that its gradient all-reduce dominates the step; the same
 seed, data order and token budget for every method, run one after the other in the same lab:
 

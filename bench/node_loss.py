@@ -1,4 +1,4 @@
-"""Recovery time after losing a whole host, in the network lab (issues 4 and 5; needs root).
+"""Recovery time after losing a whole host, in the network lab (needs root).
 
 Two lab hosts x 1 worker train the tiny job (``--nnodes 1:2``); once the step-4 checkpoint is
 committed, every process of host 1 (launcher, torch's agent, worker) is SIGKILLed and host 1

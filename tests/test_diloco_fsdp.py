@@ -1,5 +1,5 @@
-"""DiLoCo and local SGD with FSDP2 inside each replica (issue 5: "the outer sync runs over one
-mesh dimension, so FSDP (or plain DDP) inside a host composes with DiLoCo across hosts"), and
+"""DiLoCo and local SGD with FSDP2 inside each replica (the outer sync runs over one mesh
+dimension, so FSDP (or plain DDP) inside a host composes with DiLoCo across hosts), and
 PowerSGD's error feedback through a resume.
 
 Layout of every FSDP job here: 4 gloo ranks, dp_replicate=2 x dp_shard=2, ``fully_shard`` over

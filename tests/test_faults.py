@@ -230,7 +230,7 @@ def _steps_seen(run_dir: Path, world: int, per_step: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("saved, resumed", [(2, (1, 3)), (4, (2,))], ids=["2->1,3", "4->2"])
 def test_resume_at_another_world_size_sees_the_same_data_and_parameters(token_dir, tmp_path, saved, resumed):
-    # Issue 4's cases 2 -> 1, 2 -> 3 and 4 -> 2: the same global batches in the same order after
+    # The cases 2 -> 1, 2 -> 3 and 4 -> 2: the same global batches in the same order after
     # the resume, and parameters within float tolerance (the reduction order differs).
     job = Job(data=_recording_data)
     full = tmp_path / "full"

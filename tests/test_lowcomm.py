@@ -1,4 +1,4 @@
-"""Communicating less (issue 5): DiLoCo and local SGD against an in-process simulation of their
+"""Communicating less: DiLoCo and local SGD against an in-process simulation of their
 replicas, the algebraic special case DiLoCo(H=1, SGD inside, outer SGD lr 1) == synchronous SGD,
 compressed all-reduce against uncompressed, and the bytes the meters count against the analytic
 volume of each strategy."""

@@ -1,4 +1,4 @@
-"""The start-up flake (FACTS.md, "Launching": a fresh gloo process group failed once in
+"""The start-up flake (with torch 2.13, a fresh gloo process group failed once in
 connectFullMesh and the next try worked) is retried without counting against
 ``fault.max_restarts``, on both restart paths: the single-node supervisor (supervise.py) and torch's
 elastic agent of a multi-node job (elastic.SupervisedAgent), the latter run on one host through the

@@ -1,5 +1,5 @@
-"""Losing node 0 for good (issue 4: "if a node does not come back, training continues on the
-remaining nodes"), which the c10d backend cannot survive while node 0's agent hosts the
+"""Losing node 0 for good (if a node does not come back, training continues on the remaining
+nodes), which the c10d backend cannot survive while node 0's agent hosts the
 rendezvous store: here the store is an ``allhands rendezvous-store`` process on a third lab host
 and both training hosts dial it (``--rdzv-store external``). Every process of the training host
 with node rank 0 (worker rank 0, which also led the first round's worker store) is SIGKILLed after
@@ -8,8 +8,8 @@ the same global batches (within float tolerance of the single-process reference)
 next round's worker store itself. Or node 0's command is started again (Slurm --requeue of that
 node's task, a Kubernetes pod restart) while the store keeps the job's rendezvous: it rejoins
 (``--nnodes 2``: the other node waits for it), leads the next round again, and the job ends
-bit-identical to an undisturbed run (issue 5: "Killing every process of one host is recovered
-like any other fault")."""
+bit-identical to an undisturbed run (killing every process of one host is recovered like any
+other fault)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The network lab (namespaces joined by a bridge, capped links) and a real multi-node job on
 it: two lab hosts, each running the documented ``allhands train --nnodes 2 ...`` command, end
-with the parameters of the single-process reference (issue 5)."""
+with the parameters of the single-process reference."""
 
 from __future__ import annotations
 

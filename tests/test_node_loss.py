@@ -1,4 +1,4 @@
-"""A whole host fails (issues 4 and 5): every process of one lab host (the ``allhands train``
+"""A whole host fails: every process of one lab host (the ``allhands train``
 launcher, torch's agent in it and its workers) is SIGKILLed mid-training, after a committed
 checkpoint. Either the host's command is started again (Slurm requeue, a Kubernetes restart) and
 the job ends bit-identical to an undisturbed run, or it does not come back and the survivor

@@ -136,7 +136,7 @@ def test_rank_with_another_secret_is_refused_before_any_tensor(tmp_path, cli_env
 
 
 def test_raw_stranger_that_all_reduces_poison_gets_no_result_in(tmp_path, cli_env):
-    """FACTS.md's stranger: takes rank 1 without allhands and all_reduces 1000 at once. Rank 0's
+    """A stranger: takes rank 1 without allhands and all_reduces 1000 at once. Rank 0's
     first collective is admission, so the poison never meets a tensor of the job."""
     proc = _launch(["--nproc", "2", JOB, str(tmp_path), "0", "raw"], cli_env)
     err = _finish([proc])[0]

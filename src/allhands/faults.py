@@ -16,10 +16,11 @@ Kinds:
 - ``ckpt``: SIGKILL inside the storage writer of the first checkpoint saved at or after STEP,
   after this rank's shard files are written but before the save completes, i.e. during an
   (asynchronous) checkpoint write;
-- ``flake``: the start-up flake of FACTS.md ("Launching"): the first attempt that starts at step
+- ``flake``: the start-up flake of a fresh gloo process group (seen with torch 2.13: a restart
+  failed once in ``connectFullMesh`` and the next try worked): the first attempt that starts at step
   STEP or later fails before computing any step, raising the ``RuntimeError`` gloo raises when
   ``connectFullMesh`` cannot reach a peer. The restart policy must retry it without counting it
-  against ``fault.max_restarts`` (supervise.RestartPolicy). Raising gloo's words rather than
+  against ``fault.max_restarts`` (launch/policy.py). Raising gloo's words rather than
   breaking the real connection: the real flake needs a stale peer address in the worker store,
   which the fresh store per round (rendezvous.py) no longer leaves behind, so it cannot be
   provoked on purpose; what is tested is everything after it (classification, retry, report).

@@ -1,5 +1,5 @@
 """A network lab on one machine: K hosts as Linux network namespaces, for tests and benchmarks
-that need real links between "machines" (issue 5).
+that need real links between "machines".
 
 Each host is a namespace with loopback up and one interface ``eth0`` holding ``PREFIX.(i+1)/24``,
 the peer end of a veth pair whose other end is a port of one bridge in the root namespace. A

@@ -6,8 +6,8 @@ Each rank writes OUT_DIR/rank<R>.json with the all_reduce result of (rank + 1), 
 process group admitted like the default one, and then, if
 HOLD_S > 0, waits up to HOLD_S seconds for OUT_DIR/go, so a test can inspect the live job.
 STRANGER makes the last rank a process outside the job: "wrong-secret" runs allhands with
-another secret; "raw" skips allhands and all_reduces 1000 at once, as the stranger of FACTS.md
-did (it writes OUT_DIR/stranger.json if its all_reduce completes).
+another secret; "raw" skips allhands and all_reduces 1000 at once, as a stranger
+would (it writes OUT_DIR/stranger.json if its all_reduce completes).
 """
 
 import json

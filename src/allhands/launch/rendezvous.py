@@ -121,8 +121,7 @@ class NarrowRendezvousHandler(DynamicRendezvousHandler):
     joins a later round (a requeued host) then waits for ``MASTER_ADDR`` under a round prefix
     nobody writes. And the restarted workers would meet the previous round's keys in the same
     store (process group keys are named by group, not by round): gloo's ``connectFullMesh`` can
-    read a dead peer's old address there ("Connection refused", a cause of the restart flake in
-    FACTS.md). So here every round gets a fresh store, published
+    read a dead peer's old address there ("Connection refused", a cause of the restart flake). So here every round gets a fresh store, published
     in that round's prefix by whoever leads it, and every other node reads it back.
     """
 
