@@ -98,7 +98,7 @@ class ParallelConfig:
 
 @dataclass
 class SyncConfig:
-    """Options of the strategy chosen by parallel.sync (issue 5: communicating less)."""
+    """Options of the strategy chosen by parallel.sync: how replicas communicate less."""
 
     compress: str = _f("none", "allreduce gradient compression: none, fp16, bf16 or powersgd")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank, >= 1")
