@@ -9,7 +9,6 @@ the intro), one table row per field (name, type, default, the field's ``metadata
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from allhands.config import Config
@@ -24,10 +23,6 @@ Unknown keys, wrong types and impossible values stop the job with exit code 2 be
 worker starts, naming the dotted field. `allhands config show [CONFIG] [--set ...] --docs`
 prints the resolved tree with these docs as comments.
 """
-
-# Section docstrings may carry references to the project's tracker; the manual leaves them out.
-_TRACKER_REF = re.compile(r"\s*\((?:see )?issues? \d[^)]*\)", re.IGNORECASE)
-
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -52,7 +47,7 @@ def markdown() -> str:
     out = [_HEADER]
     for sec in dataclasses.fields(root):
         node = getattr(root, sec.name)
-        intro = _TRACKER_REF.sub("", (type(node).__doc__ or "").strip().split("\n\n")[0])
+        intro = (type(node).__doc__ or "").strip().split("\n\n")[0]
         out.append(f"## `[{sec.name}]`\n")
         if intro:
             out.append(" ".join(intro.split()) + "\n")

@@ -76,7 +76,7 @@ class ParallelConfig:
 
     dp_replicate: int = _f(-1, "data-parallel replicas; -1 = the rest of the workers (all of them by default)")
     sync: str = _f("allreduce", "how replicas reconcile: allreduce (every step), diloco, "
-                   "local_sgd (both sync every sync.inner_steps over dp_replicate) or auto (measured; see README)")
+                   "local_sgd (both sync every sync.inner_steps over dp_replicate) or auto (measured; see docs/sync.md)")
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
