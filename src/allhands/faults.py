@@ -19,7 +19,7 @@ Kinds:
 - ``flake``: the start-up flake of FACTS.md ("Launching"): the first attempt that starts at step
   STEP or later fails before computing any step, raising the ``RuntimeError`` gloo raises when
   ``connectFullMesh`` cannot reach a peer. The restart policy must retry it without counting it
-  against ``fault.max_restarts`` (supervise.RestartPolicy). Raising gloo's words rather than
+  against ``fault.max_restarts`` (launch/policy.py). Raising gloo's words rather than
   breaking the real connection: the real flake needs a stale peer address in the worker store,
   which the fresh store per round (rendezvous.py) no longer leaves behind, so it cannot be
   provoked on purpose; what is tested is everything after it (classification, retry, report).
