@@ -17,8 +17,9 @@ from allhands.checkpoint import FORMAT_VERSION, META_NAME, Checkpointer, check_c
 from allhands.config import Config
 from allhands.errors import CheckpointError, ConfigError, LaunchError
 from allhands.faults import Fault, NonFiniteError, NonFiniteGuard, parse_faults, plan_faults
-from allhands.launch.supervisor import (Heartbeat, RestartPolicy, Watchdog, WorkerFailure, find_hang,
-                                read_heartbeats, supervise)
+from allhands.heartbeat import Heartbeat, find_hang, read_heartbeats
+from allhands.launch.policy import RestartPolicy, WorkerFailure
+from allhands.launch.supervisor import Watchdog, supervise
 
 
 def test_fault_specs_parse_and_refuse_with_the_field_path():

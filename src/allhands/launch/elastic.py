@@ -7,12 +7,12 @@ nodes' agents re-rendezvous only with a live agent. So the restart stays torch's
 (``SimpleElasticAgent._invoke_run``: monitor, stop, re-rendezvous, start) and
 :class:`SupervisedAgent` hooks its two seams:
 
-- ``_monitor_workers``: on a failed group, judge it with :class:`RestartPolicy` (fatal cause,
-  start-up flake, restart, or give up) and steer torch's loop through ``_remaining_restarts``
-  (0 = stop now; +1 = a flake that does not count);
-- ``_restart_workers``: say who failed and why in one line, wait the backoff, and after the
-  re-rendezvous say which node left (no keep-alive for ``fault.node_timeout_s``) or came back and
-  the world size the job continues at.
+- ``_monitor_workers``: on a failed group, judge it with the job's restart policy (policy.py:
+  fatal cause, start-up flake, restart, or give up) and steer torch's loop through
+  ``_remaining_restarts`` (0 = stop now; +1 = a flake that does not count);
+- ``_restart_workers``: let the policy wait the backoff and say who failed and why in one line,
+  and after the re-rendezvous say which node left (no keep-alive for ``fault.node_timeout_s``) or
+  came back and the world size the job continues at.
 
 :func:`run_agent` is ``torch.distributed.launcher.api.launch_agent`` with this agent in place of
 ``LocalElasticAgent`` (torch offers no way to pass an agent class), and rendezvous errors turned
@@ -25,7 +25,6 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from allhands.errors import LaunchError
 from allhands.heartbeat import clear_heartbeats, progressed, take_hangs
-from allhands.launch.supervisor import (MAX_FLAKE_RETRIES, RestartPolicy, WorkerFailure, _log_event,
-                                         _restart_point, _say)
+from allhands.launch.policy import Decision, RestartPolicy, WorkerFailure, say
 
 # gloo's words for a peer that went away: "[.../pair.cc:553] Connection closed by peer
 # [10.61.0.2]:32440. This is typically caused by a remote worker crashing. ..."
@@ -131,14 +129,6 @@ def exited_with_failure(pid: int) -> bool:
     return bool(exit_status(pid))
 
 
-@dataclass
-class _Verdict:
-    summary: str
-    verdict: str  # restart | flake | fatal | give_up
-    failed_at: float
-    progressed: bool
-
-
 class LocalAgent(LocalElasticAgent):
     """torch's local agent, reporting every worker of this node that failed, not only the first:
     torch's monitor takes the lowest failed local rank and terminates the others at once, so the
@@ -178,16 +168,15 @@ class LocalAgent(LocalElasticAgent):
 
 
 class SupervisedAgent(LocalAgent):
-    """torch's local agent; restarts judged and reported per :class:`RestartPolicy`."""
+    """torch's local agent; restarts judged, timed and reported by the job's restart policy."""
 
     def __init__(self, spec: WorkerSpec, *, policy: RestartPolicy, run_dir: Path | None,
                  heartbeat_dir: Path | None, node: str, node_timeout_s: float, **kw):
         super().__init__(spec, **kw)
-        self.policy, self.run_dir, self.hb, self.node = policy, run_dir, heartbeat_dir, node
-        self.node_timeout_s = node_timeout_s
-        self.restarts = self.flakes = self.stalled = 0
+        self.job = policy.for_job(run_dir, node=node)
+        self.hb, self.node, self.node_timeout_s = heartbeat_dir, node, node_timeout_s
         self.final: str | None = None
-        self._pending: _Verdict | None = None
+        self._pending: Decision | None = None
         if hasattr(spec.rdzv_handler, "settle"):  # rendezvous.NarrowRendezvousHandler
             spec.rdzv_handler.settle = self._workers_failed
 
@@ -219,57 +208,25 @@ class SupervisedAgent(LocalAgent):
             summary = describe_failures(result.failures, first_rank, self.node, self._members()) \
                 or f"the workers on node {self.node} became {result.state.name.lower()}"
             hangs = take_hangs(self.hb) if self.hb else []
-            if hangs:
-                summary = "; ".join([*hangs, summary])
-            moved = progressed(self.hb) if self.hb else True
-            verdict = self.policy.decide(summary, self.restarts, self.flakes, moved)
-            self._pending = _Verdict(summary, verdict, time.time(), moved)
-            if verdict in ("fatal", "give_up"):
+            d = self.job.decide(summary, progressed(self.hb) if self.hb else True, hangs)
+            if d.stops:
                 self._remaining_restarts = 0  # torch's loop then stops the group and returns
-                self._stop(self._pending)
-            elif verdict == "flake":
-                self._remaining_restarts += 1  # torch's loop takes one off again: not counted
+                self.final = self.job.stop(d)
+            else:
+                self._pending = d  # acted on in _restart_workers, which torch calls next
+                if d.verdict == "flake":
+                    self._remaining_restarts += 1  # torch's loop takes one off again: not counted
         return result
 
-    def _stop(self, v: _Verdict) -> None:
-        resume = _restart_point(self.run_dir)
-        _log_event(self.run_dir, {"attempt": self.restarts + self.flakes, "failed_at": v.failed_at,
-                                  "summary": v.summary, "verdict": v.verdict, "node": self.node,
-                                  "resume_from": resume})
-        if v.verdict == "fatal" or self.policy.max_restarts == 0:
-            self.final = v.summary
-        else:
-            self.final = (f"{v.summary}; gave up after {self.restarts} restart(s) "
-                          f"(fault.max_restarts={self.policy.max_restarts}); the last committed "
-                          f"checkpoint is intact, continue by starting the job again")
-        self._pending = None
-
     def _restart_workers(self, worker_group) -> None:
-        v, self._pending = self._pending, None
+        d, self._pending = self._pending, None
         before = self._members()
         pids = self._launcher_pids()
-        if v is None:  # torch restarts a healthy group when a node waits to join
-            _say(f"allhands: a node is waiting to join; node {self.node} restarts its workers to "
-                 f"admit it (not counted as a restart)")
+        if d is None:  # torch restarts a healthy group when a node waits to join
+            say(f"allhands: a node is waiting to join; node {self.node} restarts its workers to "
+                f"admit it (not counted as a restart)")
         else:
-            if v.verdict == "flake":
-                self.flakes += 1
-                delay = 1.0
-                what = f"start-up flake, retry {self.flakes}/{MAX_FLAKE_RETRIES} (not counted)"
-            else:
-                # As supervise(): the backoff doubles only while restarts fail before a step.
-                self.restarts += 1
-                self.flakes = 0
-                self.stalled = 0 if v.progressed else self.stalled + 1
-                delay = self.policy.delay(max(1, self.stalled))
-                what = f"restart {self.restarts}/{self.policy.max_restarts}"
-            time.sleep(delay)
-            resume = _restart_point(self.run_dir)
-            _log_event(self.run_dir, {"attempt": self.restarts + self.flakes, "failed_at": v.failed_at,
-                                      "summary": v.summary, "verdict": v.verdict, "node": self.node,
-                                      "delay_s": delay, "resume_from": resume})
-            _say(f"allhands: {v.summary}; {what} from {resume} after {delay:.1f} s "
-                 f"(re-rendezvous of all nodes)")
+            self.job.backoff(d)
         if self.hb:
             clear_heartbeats(self.hb)
         t0 = time.monotonic()
@@ -289,8 +246,8 @@ class SupervisedAgent(LocalAgent):
         parts += [f"node {a} {'came back (a new launcher)' if a in pids and now.get(a) != pids[a] else 'joined'}"
                   for a in after if a not in before or now.get(a) != pids.get(a)]
         size = f"{wg.group_world_size} node(s), world size {world}"
-        _say(f"allhands: {'; '.join(parts) + '; ' if parts else ''}re-rendezvous done in "
-             f"{took:.1f} s: continuing on {size}")
+        say(f"allhands: {'; '.join(parts) + '; ' if parts else ''}re-rendezvous done in "
+            f"{took:.1f} s: continuing on {size}")
 
 
 def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, policy: RestartPolicy | None,

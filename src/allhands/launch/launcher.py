@@ -34,7 +34,8 @@ from allhands.launch import rendezvous
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
 from allhands.launch.rundir import resolve_run
-from allhands.launch.supervisor import RestartPolicy, supervise
+from allhands.launch.policy import RestartPolicy
+from allhands.launch.supervisor import supervise
 from allhands.worker import worker_main
 
 
@@ -159,7 +160,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
            log_dir: Path | None = None, policy: Any = None, run_dir: Path | None = None,
            timeouts: Any = None) -> None:
     """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker, under
-    supervision (supervise.py): failures are named as they happen and restarted per ``policy``.
+    supervision (supervisor.py, policy.py): failures are named as they happen and restarted per ``policy``.
 
     Raises LaunchError with one line per failed rank when the job fails for good.
     """
@@ -289,8 +290,9 @@ def rendezvous_timeouts(cfg: Config):
     return Timeouts(join_s=f.rdzv_join_timeout_s, last_call_s=f.rdzv_last_call_s, node_s=f.node_timeout_s)
 
 
-def restart_policy(cfg: Config, spec: LaunchSpec):
-    """``--max-restarts`` (when given) wins over ``fault.max_restarts``."""
+def restart_policy(cfg: Config, spec: LaunchSpec) -> RestartPolicy:
+    """The job's restart policy from ``fault.*``; ``--max-restarts`` (when given) wins over
+    ``fault.max_restarts``."""
     f = cfg.fault
     restarts = spec.max_restarts if spec.max_restarts >= 0 else f.max_restarts
     return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s)

@@ -1,0 +1,172 @@
+"""The restart policy of a job: what to do about a failed attempt (restart, retry a start-up flake
+without counting it, or stop), how long to wait, the one line that says so and its record in
+``RUN_DIR/logs/restarts.jsonl``; one object per job, used by both restart paths.
+
+Single node, the supervisor (supervisor.py) restarts each attempt of torch's elastic launch
+itself; multi-node, torch's agent restarts and our subclass (elastic.SupervisedAgent) asks here
+first. Both drive the same object the same way::
+
+    job = policy.for_job(run_dir, node=None)   # node: the agent's label, multi-node only
+    d = job.decide(summary, progressed, hangs)  # Decision; counts it, fixes the backoff
+    if d.stops:                                 # 'fatal' or 'give_up'
+        raise LaunchError(job.stop(d))          # writes the record, returns the final line
+    job.backoff(d)                              # waits d.delay_s, writes the record, says the line
+    ...                                         # the caller starts the next attempt
+
+:class:`RestartPolicy` holds the settings (from ``fault.*`` and ``--max-restarts``) and the rule
+(:meth:`RestartPolicy.decide`, without state, so one policy serves any number of jobs);
+:class:`JobRestarts` holds what one job has used up. The clock, sleep and output are
+injectable, so that the policy is tested without processes or waiting (tests/test_policy.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+from allhands.checkpoint import committed
+from allhands.errors import LaunchError
+
+# Worker failures whose cause repeats on every restart: restarting would only burn the budget.
+FATAL_CAUSES = ("ConfigError:", "CheckpointError:", "DataError:", "NonFiniteError:")
+# Start-up failures of a fresh rendezvous that a second try clears (FACTS.md, "Launching").
+TRANSIENT_CAUSES = ("connectFullMesh", "Connection refused", "RendezvousTimeoutError")
+MAX_FLAKE_RETRIES = 2
+# A flake is a race in a fresh rendezvous, not a crash loop: a short fixed wait, no backoff.
+FLAKE_DELAY_S = 1.0
+
+
+class WorkerFailure(LaunchError):
+    """One attempt of the job failed; ``summary`` names the ranks and causes in one line."""
+
+    def __init__(self, summary: str):
+        super().__init__(summary)
+        self.summary = summary
+
+
+def say(msg: str) -> None:
+    """One line to the launcher's stderr, at once (workers' output interleaves with it)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    hang_timeout_s: float = 0.0
+
+    def delay(self, restart: int) -> float:
+        """Seconds to wait before restart number ``restart`` (1-based): doubling, capped."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, restart - 1))
+
+    def decide(self, summary: str, restarts_done: int, flakes: int, progressed: bool) -> str:
+        """'fatal', 'flake' (retry, not counted), 'restart' or 'give_up'."""
+        if any(c in summary for c in FATAL_CAUSES):
+            return "fatal"
+        if not progressed and flakes < MAX_FLAKE_RETRIES and any(c in summary for c in TRANSIENT_CAUSES):
+            return "flake"
+        return "restart" if restarts_done < self.max_restarts else "give_up"
+
+    def for_job(self, run_dir: Path | None, node: str | None = None, **io) -> "JobRestarts":
+        """A fresh account of restarts for one job (see :class:`JobRestarts` for ``io``)."""
+        return JobRestarts(self, run_dir, node, **io)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`JobRestarts.decide` made of one failed attempt."""
+
+    verdict: str  # restart | flake | fatal | give_up
+    summary: str  # the failure in one line, the watchdog's hang reports first
+    attempt: int  # which attempt of this job failed, from 0
+    failed_at: float
+    hang: bool = False  # the watchdog killed a hung worker
+    delay_s: float = 0.0  # wait before the next attempt; 0 when it stops
+    what: str = ""  # 'restart k/N' or 'start-up flake, retry i/M (not counted)'
+
+    @property
+    def stops(self) -> bool:
+        return self.verdict in ("fatal", "give_up")
+
+
+class JobRestarts:
+    """One job's restarts under ``policy``: counters, backoff, record and lines.
+
+    ``run_dir`` None: a script launched by ``allhands launch`` owns its run directory, and nothing
+    is recorded. ``node``: the agent's label of this node in a multi-node job; it goes into the
+    records, and the lines say that all nodes re-rendezvous and how to continue after a stop."""
+
+    def __init__(self, policy: RestartPolicy, run_dir: Path | None, node: str | None = None, *,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 say: Callable[[str], None] = say):
+        self.policy, self.run_dir, self.node = policy, run_dir, node
+        self.clock, self.sleep, self.say = clock, sleep, say
+        # restarts: counted against max_restarts; flakes: retries since the last restart;
+        # stalled: restarts in a row whose attempt completed no step (the backoff's exponent).
+        self.restarts = self.flakes = self.stalled = self.attempts = 0
+
+    def decide(self, summary: str, progressed: bool, hangs: Iterable[str] = ()) -> Decision:
+        """Judge a failed attempt and count it. ``progressed``: it completed a step; ``hangs``:
+        the watchdog's reports of the workers it killed, which lead the summary."""
+        hangs = list(hangs)
+        summary = "; ".join([*hangs, summary])
+        d = Decision(self.policy.decide(summary, self.restarts, self.flakes, progressed), summary,
+                     self.attempts, self.clock(), bool(hangs))
+        self.attempts += 1
+        if d.verdict == "flake":
+            self.flakes += 1
+            return replace(d, delay_s=FLAKE_DELAY_S,
+                           what=f"start-up flake, retry {self.flakes}/{MAX_FLAKE_RETRIES} (not counted)")
+        if d.verdict == "restart":
+            # The backoff doubles while attempts fail before completing a step, and starts over
+            # once one made progress: a fault every few hours is not a crash loop.
+            self.restarts += 1
+            self.flakes = 0
+            self.stalled = 0 if progressed else self.stalled + 1
+            return replace(d, delay_s=self.policy.delay(max(1, self.stalled)),
+                           what=f"restart {self.restarts}/{self.policy.max_restarts}")
+        return d
+
+    def backoff(self, d: Decision) -> None:
+        """Before the next attempt: wait ``d.delay_s``, then record it and say the line."""
+        self.sleep(d.delay_s)
+        # Read after the backoff: a worker that raised gives its save in flight time to commit
+        # (Checkpointer.drain), which may land just after the failure is reported.
+        resume = self.resume_from()
+        self.record(d, delay_s=d.delay_s, resume_from=resume)
+        where = " (re-rendezvous of all nodes)" if self.node is not None else ""
+        self.say(f"allhands: {d.summary}; {d.what} from {resume} after {d.delay_s:.1f} s{where}")
+
+    def stop(self, d: Decision) -> str:
+        """The job ends with ``d``: record it and return the one line to end with."""
+        self.record(d, resume_from=self.resume_from())
+        if d.verdict == "fatal" or self.policy.max_restarts == 0:
+            return d.summary
+        again = "by starting the job again" if self.node is not None else "with --resume"
+        return (f"{d.summary}; gave up after {self.restarts} restart(s) "
+                f"(fault.max_restarts={self.policy.max_restarts}); the last committed "
+                f"checkpoint is intact, continue {again}")
+
+    def resume_from(self) -> str:
+        """Where the next attempt starts, in words (``allhands drill`` reads the step back)."""
+        if self.run_dir is None:
+            return "the script's last committed checkpoint"
+        found = committed(self.run_dir / "checkpoints")
+        return f"checkpoint step {found[-1][0]}" if found else "the start (no committed checkpoint yet)"
+
+    def record(self, d: Decision, **extra) -> None:
+        """One line per failure in RUN_DIR/logs/restarts.jsonl (read by ``allhands drill``)."""
+        if self.run_dir is None:
+            return
+        rec = {"attempt": d.attempt, "failed_at": d.failed_at, "summary": d.summary,
+               "verdict": d.verdict, "hang": d.hang,
+               **({"node": self.node} if self.node is not None else {}), **extra}
+        path = self.run_dir / "logs" / "restarts.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
