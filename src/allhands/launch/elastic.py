@@ -93,8 +93,8 @@ def _ranks_of(addr: str, members: dict[str, tuple[int, int]] | None) -> str:
 
 # How long a node waits for its own workers to fail before it acts on a peer's restart or a lost
 # rendezvous store (NarrowRendezvousHandler.num_nodes_waiting). A worker hears of a dead peer
-# within 0.03 s (FACTS.md, "Hangs") but its exit can take seconds under load; if none fails in this
-# long they are healthy and the agent goes on as torch would have at once.
+# within 0.03 s (gloo's "Connection reset") but its exit can take seconds under load; if none
+# fails in this long they are healthy and the agent goes on as torch would have at once.
 SETTLE_S = 10.0
 
 

@@ -33,7 +33,8 @@ from allhands.errors import LaunchError
 
 # Worker failures whose cause repeats on every restart: restarting would only burn the budget.
 FATAL_CAUSES = ("ConfigError:", "CheckpointError:", "DataError:", "NonFiniteError:")
-# Start-up failures of a fresh rendezvous that a second try clears (FACTS.md, "Launching").
+# Start-up failures of a fresh rendezvous that a second try clears: with torch 2.13 a restart
+# failed once in connectFullMesh and the next try worked.
 TRANSIENT_CAUSES = ("connectFullMesh", "Connection refused", "RendezvousTimeoutError")
 MAX_FLAKE_RETRIES = 2
 # A flake is a race in a fresh rendezvous, not a crash loop: a short fixed wait, no backoff.

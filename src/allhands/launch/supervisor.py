@@ -5,7 +5,7 @@ Single-node jobs run each attempt as one ``elastic_launch`` with ``max_restarts=
 here, so that every failure is named in one line as it happens (which rank, which node, why),
 restarts wait with exponential backoff, and every attempt gets a fresh rendezvous port and run id:
 a restart that reuses the previous attempt's rendezvous has been seen to fail once in gloo's
-connectFullMesh (FACTS.md); such a failure before any step completed is retried without counting
+connectFullMesh with torch 2.13; such a failure before any step completed is retried without counting
 against ``fault.max_restarts``. Multi-node jobs pass ``max_restarts`` to torch's agent, which
 re-rendezvouses all nodes together (and admits a smaller world between ``--nnodes MIN:MAX``); our
 agent subclass there (elastic.py) judges, waits and reports through the same policy.py.
