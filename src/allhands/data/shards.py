@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from allhands.data.tokenizer import ByteTokenizer
-from allhands.errors import DataError
+from allhands.errors import DataError, cannot_write
 
 FORMAT = 1
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -67,7 +67,10 @@ def prepare(texts: list[str], out: str | os.PathLike, val_fraction: float = 0.05
                         f"or more (one sample of the default model.seq_len+1={MIN_SPLIT_TOKENS} "
                         f"tokens in each split); pass more text")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out: {cannot_write(out, e)}; pass a writable directory") from None
     meta = {
         "format": FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
         "dtype": np.dtype(tok.dtype).name,

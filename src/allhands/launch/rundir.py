@@ -78,12 +78,14 @@ def completed_step(run_dir: str | os.PathLike, steps: int) -> int | None:
 
 @contextlib.contextmanager
 def removed_if_unstarted(run_dir: Path, created: bool):
-    """A start that fails leaves no run directory it created: removed unless a step was logged or
-    a checkpoint committed (then its metrics and logs say what happened)."""
+    """A start that fails leaves no run directory it created: removed unless a training step was
+    logged or a checkpoint committed (then its metrics and logs say what happened)."""
     try:
         yield
     except BaseException:
-        if created and not (run_dir / "metrics.jsonl").exists() and not committed(run_dir / "checkpoints"):
+        metrics = run_dir / "metrics.jsonl"
+        stepped = metrics.is_file() and '"loss"' in metrics.read_text(errors="replace")
+        if created and not stepped and not committed(run_dir / "checkpoints"):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
