@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
 import allhands
 from allhands.checkpoint import committed
 from allhands.cli import main
 from allhands.config import Config
-from allhands.errors import AllhandsError
+from allhands.errors import AllhandsError, ConfigError
+from allhands.launch.elastic import describe_failures
 
 from conftest import ALLHANDS, ROOT, tiny_config
 
@@ -281,3 +283,20 @@ def test_each_subcommand_documents_its_positional_arguments(sub, says, capsys):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
     assert e.value.code == 0 and "positional arguments:" in (out := capsys.readouterr().out) and says in out
+
+
+def test_the_same_worker_error_on_several_ranks_is_said_once(tmp_path, monkeypatch):
+    """What the launcher prints when every rank rejects the same input: one cause, all its ranks;
+    a different cause on another rank keeps its own part. Error files by torch's ErrorHandler."""
+    failures = {}
+    for rank, msg in ((0, "loss: not a scalar"), (1, "loss: not a scalar"), (2, "other")):
+        path = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        try:
+            raise ConfigError(msg)
+        except ConfigError as e:
+            ErrorHandler().record_exception(e)
+        failures[rank] = ProcessFailure(rank, 100 + rank, 2, str(path))
+    assert describe_failures(failures, 0, "n1") == (
+        "worker ranks 0, 1 (pids 100, 101) on node n1 failed: ConfigError: loss: not a scalar; "
+        "worker rank 2 (pid 102) on node n1 failed: ConfigError: other")
