@@ -45,29 +45,29 @@ def _takes(fn: Callable, n: int) -> bool:
     return True
 
 
-def model_builder(model: Any) -> Callable | None:
-    if model is None:
+def _builder(value: Any, name: str, given: bool, returns: str) -> Callable | None:
+    """``value`` as a function of the config: itself if it is one, else (``given``) a builder
+    that returns it."""
+    if value is None:
         return None
-    if isinstance(model, nn.Module):
-        return _Given(model)
-    if not callable(model):
+    if given:
+        return _Given(value)
+    if not _takes(value, 1):
+        raise ConfigError(f"{name}: the builder {getattr(value, '__name__', value)!r} does not take "
+                          f"one argument; it is called with the config: (config) -> {returns}")
+    return value
+
+
+def model_builder(model: Any) -> Callable | None:
+    if model is not None and not isinstance(model, nn.Module) and not callable(model):
         raise ConfigError(f"model: {type(model).__name__} is neither an nn.Module nor a builder; "
                           f"pass an nn.Module or a function (config) -> nn.Module")
-    if not _takes(model, 1):
-        raise ConfigError(f"model: the builder {getattr(model, '__name__', model)!r} does not take "
-                          f"one argument; it is called with the config: (config) -> nn.Module")
-    return model
+    return _builder(model, "model", isinstance(model, nn.Module), "nn.Module")
 
 
 def data_builder(data: Any) -> Callable | None:
-    if data is None:
-        return None
-    if isinstance(data, (torch.utils.data.Dataset, tuple, list)) or not callable(data):
-        return _Given(data)
-    if not _takes(data, 1):
-        raise ConfigError(f"data: the builder {getattr(data, '__name__', data)!r} does not take one "
-                          f"argument; it is called with the config: (config) -> dataset or (train, val)")
-    return data
+    given = isinstance(data, (torch.utils.data.Dataset, tuple, list)) or not callable(data)
+    return _builder(data, "data", given, "dataset or (train, val)")
 
 
 def loss_function(loss: Any) -> Callable | None:
