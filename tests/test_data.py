@@ -13,7 +13,7 @@ from allhands.errors import DataError
 
 
 def test_prepare_round_trips_text(tmp_path):
-    docs = ["Many hands make light work.", "Grüße, 世界! ✓", "third\ndocument"]
+    docs = ["Many hands make light work.", "Grüße, 世界! ✓", "third\ndocument"] * 8  # > 2 x 129 tokens
     meta = prepare(docs, tmp_path, val_fraction=0.2, shard_tokens=16)
     assert len(meta["splits"]["train"]) > 1  # several shards
     tok = ByteTokenizer()

@@ -30,11 +30,22 @@ LAYOUTS = {
 }
 
 
+# The start-up line names the collective that really reconciles gradients in each layout.
+SYNC_LINES = {
+    "zero1": "sync: allreduce: DDP all-reduce every step (ZeRO-1: optimizer state sharded)",
+    "zero2+selective_ac": "sync: allreduce: FSDP reduce-scatter every step (ZeRO-2)",
+    "zero3+micro": "sync: allreduce: FSDP reduce-scatter every step (ZeRO-3)",
+    "hybrid+block_ac": "sync: allreduce: FSDP reduce-scatter + all-reduce across dp_replicate (HSDP) "
+                       "every step (ZeRO-3)",
+}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sharded_layout_matches_single_process(token_dir, tmp_path, layout):
+def test_sharded_layout_matches_single_process(token_dir, tmp_path, layout, capfd):
     nproc, extra = LAYOUTS[layout]
     cfg = tiny_config(token_dir, tmp_path / "run", "run.check_sync=true", *extra)
     done = train_job(cfg, LaunchSpec(nproc=nproc))
+    assert f"allhands: {SYNC_LINES[layout]} (compression none)" in capfd.readouterr().err
     assert_matches_reference(done, layout, TOL)
     _check_memory_record(tmp_path / "run", done, nproc)
 

@@ -10,35 +10,50 @@ Each subcommand imports what it runs inside its own function, for start-up time:
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
 import sys
+import warnings
 from pathlib import Path
 
+from allhands import __version__
 from allhands.config import load_config, to_toml, validate
 from allhands.errors import AllhandsError, ConfigError
 
+# Warnings a user of the command cannot act on, filtered here and nowhere else. DCP warns that
+# it loads "in a single process" whenever no process group exists, which is what `export` and
+# `drill` (reading the final weights) mean to do.
+QUIET_WARNINGS = [
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized"),
+]
+
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workers and nodes")
-    g.add_argument("--nproc", type=int, default=0,
-                   help="worker processes on this node (default: one per GPU, or 2 on CPU)")
+    # The second spellings are torchrun's, accepted where they mean the same here.
+    g = p.add_argument_group("workers and nodes (torchrun's spellings are accepted too)")
+    g.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, default=None,
+                   metavar="N", help="worker processes on this node, >= 1 (default: one per GPU, "
+                                     "or 2 on CPU)")
     g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                    help="nodes in the job (default 1); MIN:MAX lets it continue on fewer nodes")
-    g.add_argument("--node-rank", type=int, default=0,
+    g.add_argument("--standalone", action="store_true",
+                   help="one node with a rendezvous on a free local port: the default already")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=0,
                    help="this node's rank; node 0 hosts the rendezvous (unless --rdzv-store "
                         "external)")
-    g.add_argument("--rdzv-endpoint", default="",
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous on node 0 (multi-node), or of the "
                         "`allhands rendezvous-store` process with --rdzv-store external")
     g.add_argument("--rdzv-store", default="node0", choices=("node0", "external"),
                    help="who serves the rendezvous store: node 0 (default; losing node 0 ends "
                         "the job) or an `allhands rendezvous-store` process (any node may be lost)")
-    g.add_argument("--local-addr", default="",
+    g.add_argument("--local-addr", "--local_addr", default="",
                    help="this node's address as the other nodes reach it (multi-node)")
-    g.add_argument("--port", type=int, default=0,
-                   help="single-node rendezvous port on 127.0.0.1 (default: a free one)")
-    g.add_argument("--max-restarts", type=int, default=-1,
-                   help="restart all workers this many times after a failure (default: "
-                        "fault.max_restarts of the config, else 0)")
+    g.add_argument("--port", "--master-port", "--master_port", type=int, default=0,
+                   help="single-node rendezvous port on 127.0.0.1, 1-65535 (default: a free one)")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
+                   help="restart all workers this many times after a failure, >= 0 (default: "
+                        "fault.max_restarts of the config)")
     s = p.add_argument_group("security (SECURITY.md)")
     s.add_argument("--bind", default="", metavar="ADDR",
                    help="address this node's listeners bind to (default: 127.0.0.1 on one node; "
@@ -57,9 +72,18 @@ def _spec(args: argparse.Namespace):
     lo, _, hi = str(args.nnodes).partition(":")
     if not (lo.isdigit() and (hi or lo).isdigit()):
         raise ConfigError(f"--nnodes: {args.nnodes!r} is not N or MIN:MAX, e.g. 2 or 1:2")
-    return LaunchSpec(nproc=args.nproc, nnodes=int(hi or lo), node_rank=args.node_rank,
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc: {args.nproc} is not allowed; must be >= 1 (leave it out for "
+                          f"one worker per GPU, or 2 on CPU)")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: {args.max_restarts} is not allowed; must be >= 0")
+    if args.standalone and (int(hi or lo) > 1 or args.rdzv_endpoint):
+        raise ConfigError("--standalone: means a single node; drop it, or drop --nnodes and "
+                          "--rdzv-endpoint")
+    return LaunchSpec(nproc=args.nproc or 0, nnodes=int(hi or lo), node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, local_addr=args.local_addr, port=args.port,
-                      max_restarts=args.max_restarts, min_nodes=int(lo) if hi else 0,
+                      max_restarts=-1 if args.max_restarts is None else args.max_restarts,
+                      min_nodes=int(lo) if hi else 0,
                       bind=args.bind, secret_file=args.secret_file, insecure=args.insecure,
                       rdzv_store=args.rdzv_store)
 
@@ -80,9 +104,16 @@ def _config_from(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from allhands.launch.launcher import train_job
+    from allhands.launch.rundir import completed_step
 
     cfg = _config_from(args)
     spec = _spec(args).validated()
+    done = completed_step(args.resume, cfg.run.steps) if args.resume else None
+    if done is not None:  # resuming would train nothing and log the last evaluation again
+        print(f"allhands: {args.resume} is complete at step {done} (run.steps={cfg.run.steps}); "
+              f"nothing to do. To train further: allhands train --resume {args.resume} --set "
+              f"run.steps={2 * done}", file=sys.stderr)
+        return 0
     train_job(cfg, spec, resume=args.resume)
     return 0
 
@@ -165,6 +196,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="allhands", description="Distributed training on torch.distributed.")
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (the embedded default job without CONFIG)")
@@ -185,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="run your own script that uses the Python API on N workers")
     _add_launch_args(la)
-    la.add_argument("script")
-    la.add_argument("script_args", nargs=argparse.REMAINDER)
+    la.add_argument("script", help="your Python script; it calls allhands.train on every worker")
+    la.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     la.set_defaults(fn=cmd_launch)
 
     rs = sub.add_parser("rendezvous-store",
@@ -200,32 +232,56 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)
     cs = csub.add_parser("show", help="print the resolved config")
-    cs.add_argument("config", nargs="?")
+    cs.add_argument("config", nargs="?", help="TOML job config (default: the built-in defaults)")
     cs.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     cs.add_argument("--docs", action="store_true", help="add each field's doc as a comment")
     cs.set_defaults(fn=cmd_config_show)
 
     p = sub.add_parser("prepare", help="turn text files into token shards")
-    p.add_argument("text_files", nargs="+")
+    p.add_argument("text_files", nargs="+", help="UTF-8 text files, each one document")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of tokens")
     p.set_defaults(fn=cmd_prepare)
 
     e = sub.add_parser("export", help="write a run's weights as one .safetensors file "
                                       "(start a run from it with checkpoint.init_from)")
-    e.add_argument("run_dir")
-    e.add_argument("--out", required=True, help="output .safetensors file")
+    e.add_argument("run_dir", help="a run directory made by `allhands train`")
+    e.add_argument("--out", required=True, help="output file; its name must end in .safetensors")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="draw PNG plots of a run")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", help="a run directory made by `allhands train`; plots go to RUN_DIR/report")
     r.set_defaults(fn=cmd_report)
+    for name, parser in (*sub.choices.items(), ("show", cs)):
+        parser.set_defaults(parser=parser)
     return ap
 
 
+def _version() -> str:
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"allhands {__version__} (torch {torch})"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse; an unknown flag is reported with the usage of the subcommand it was given to,
+    and its closest spelling there."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        flags = [o for a in args.parser._actions for o in a.option_strings]
+        close = difflib.get_close_matches(extra[0].split("=")[0], flags, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close and extra[0].startswith("-") else ""
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
+    for category, message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     try:
         return args.fn(args)
     except AllhandsError as e:

@@ -3,6 +3,8 @@
 The CLI prints them without a traceback and exits non-zero; tracebacks are for our bugs.
 """
 
+from pathlib import Path
+
 
 class AllhandsError(Exception):
     """Base of user-facing errors."""
@@ -17,7 +19,9 @@ class ConfigError(AllhandsError, ValueError):
 
 
 class DataError(AllhandsError, ValueError):
-    """Missing or malformed token data."""
+    """Missing, malformed or too little data that the user passed (exit code 2: invalid input)."""
+
+    exit_code = 2
 
 
 class CheckpointError(AllhandsError):
@@ -32,3 +36,14 @@ def first_line(e: BaseException) -> str:
     """'ExcType: first line of its message', short enough for a one-line error."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def cannot_write(path: object, e: BaseException) -> str:
+    """Why ``path`` could not be written, for a one-line error: the regular file that stands
+    where a directory is needed, else the OS's reason at the deepest part that exists."""
+    p = Path(str(path))
+    where = next((a for a in (p, *p.parents) if a.exists()), p)
+    if where.is_file() and where != p:
+        return f"cannot write {str(p)!r}: {str(where)!r} is a file, not a directory"
+    reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return f"cannot write {str(p)!r}: {reason} at {str(where)!r}"

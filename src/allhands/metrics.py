@@ -54,8 +54,8 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, record["step"])
         if self._bar is not None and "loss" in record:
             self._bar.n = record["step"]
-            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                  refresh=False)
+            rate, unit = throughput(record)
+            self._bar.set_postfix({"loss": f"{record['loss']:.3f}", unit: f"{rate:,.0f}"}, refresh=False)
             self._bar.refresh()
 
     def message(self, text: str) -> None:
@@ -80,9 +80,18 @@ class MetricsWriter:
                      f"last loss {self.last.get('loss', float('nan')):.4f}"]
             if self.first_eval is not None:
                 parts.append(f"eval loss {self.first_eval:.4f} -> {self.last_eval:.4f}")
-            if "tokens_per_s" in self.last:
-                parts.append(f"{self.last['tokens_per_s']:,.0f} tokens/s")
+            rate, unit = throughput(self.last)
+            if rate == rate:  # not NaN: the record has a rate
+                parts.append(f"{rate:,.0f} {unit}")
             print("allhands: done: " + ", ".join(parts), file=sys.stderr, flush=True)
+
+
+def throughput(record: dict[str, Any]) -> tuple[float, str]:
+    """The rate a step record names by what the data is: tokens/s for token data (the record has
+    ``tokens_per_s``), samples/s otherwise (images, tabular rows)."""
+    if "tokens_per_s" in record:
+        return record["tokens_per_s"], "tokens/s"
+    return record.get("samples_per_s", float("nan")), "samples/s"
 
 
 def iface_tx_bytes(iface: str | None) -> int | None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from allhands.errors import DataError
+from allhands.errors import DataError, cannot_write
+from allhands.metrics import throughput
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -37,7 +38,14 @@ def make_report(run_dir: Path) -> list[Path]:
     if not train and not evals:
         raise DataError(f"{str(run_dir / 'metrics.jsonl')!r} holds no step yet; train first")
     out_dir = run_dir / "report"
-    out_dir.mkdir(exist_ok=True)
+    try:
+        out_dir.mkdir(exist_ok=True)
+        with open(out_dir / ".writable", "w"):  # fail here, not after the first plot
+            pass
+        (out_dir / ".writable").unlink()
+    except OSError as e:
+        raise DataError(f"report: {cannot_write(out_dir, e)}; make the run directory writable or "
+                        f"copy it somewhere writable") from None
     written = []
 
     def save(fig, name: str) -> None:
@@ -57,8 +65,9 @@ def make_report(run_dir: Path) -> list[Path]:
 
     if train:
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], lw=1)
-        ax.set_xlabel("step"), ax.set_ylabel("tokens/s"), ax.set_title("throughput"), ax.grid(alpha=0.3)
+        unit = throughput(train[-1])[1]
+        ax.plot([r["step"] for r in train], [throughput(r)[0] for r in train], lw=1)
+        ax.set_xlabel("step"), ax.set_ylabel(unit), ax.set_title("throughput"), ax.grid(alpha=0.3)
         save(fig, "throughput.png")
 
         fig, ax = plt.subplots(figsize=(7, 4))

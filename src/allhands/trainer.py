@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
                                  check_compatible, load_weights, seed_rank)
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
-from allhands.data import GlobalSampler, load_token_splits
+from allhands.data import load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.env import gloo_interface, worker_env
 from allhands.heartbeat import Heartbeat
+from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, iface_tx_bytes
 from allhands.models import GPT, GPTConfig
@@ -152,14 +153,15 @@ class Trainer:
         if mesh.device.type == "cpu" and r.threads:
             torch.set_num_threads(r.threads)
         self.train_ds, self.val_ds, vocab = build_data(cfg, job)
+        self.train_ds, self.val_ds = checked_data(self.train_ds, self.val_ds, r.global_batch)
         # Same seed on every rank for initialisation; DDP also broadcasts rank 0's weights.
         torch.manual_seed(r.seed)
         raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
-        self.raw_model = raw.to(mesh.device)
+        self.raw_model = checked_model(raw).to(mesh.device)
         if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
             load_weights(self.raw_model, cfg.checkpoint.init_from)
         seed_rank(r.seed, mesh.rank)
-        self.loss_fn = job.loss or lm_loss
+        self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
         p = cfg.parallel
         use_bf16 = r.precision == "bf16" or (r.precision == "auto" and mesh.device.type == "cuda")
         # bf16 under FSDP is its MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction);
@@ -200,9 +202,8 @@ class Trainer:
             self.optimizer = apply_zero1(self.optimizer, mesh)
         self.strategy.attach_optimizer(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.sampler = GlobalSampler(len(self.train_ds), r.global_batch, cfg.data.seed)
-        self.val_sampler = (GlobalSampler(len(self.val_ds), r.global_batch, cfg.data.seed + 1)
-                            if self.val_ds is not None and len(self.val_ds) else None)
+        self.sampler = sampler_for(self.train_ds, r.global_batch, cfg.data.seed)
+        self.val_sampler = sampler_for(self.val_ds, r.global_batch, cfg.data.seed + 1)
         self.train_state = TrainState()
         self.rng_state = RNGState(mesh.rank)
         self.faults = FaultInjector(cfg.fault.inject, mesh.rank, run_dir)
@@ -490,7 +491,6 @@ class Trainer:
             "step": self.train_state.step, "loss": sum(losses) / len(losses),
             "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
             "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
             "step_time": step_time, "step_time_rank": times, "time": time.time(),
             "peak_mem_bytes_rank": [int(v) for v in g[:, 8].tolist()], "peak_mem_kind": peak_kind,
             "nonfinite_skips": self.train_state.nonfinite_skips,
@@ -502,6 +502,8 @@ class Trainer:
             "comm_exposed": float(g[:, 5].max()) / per_step,
             "comm_exposed_frac": float((g[:, 5] / g[:, 7].clamp_min(1e-12)).max()),
         }
+        if self.tokens_per_sample and self.tokens_per_sample > 1:  # token data: tokens/s as well
+            record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         if self.net_iface is not None or float(g[:, 6].sum()) > 0:
             record["net_tx_bytes"] = float(g[:, 6].sum()) / per_step  # all nodes' interfaces
         metrics.log(record)

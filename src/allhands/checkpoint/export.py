@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from allhands.checkpoint.catalog import committed
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader
-from allhands.errors import CheckpointError, ConfigError
+from allhands.errors import CheckpointError, ConfigError, cannot_write
 
 # ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
 _PREFIX = "model.model."
@@ -48,7 +48,11 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None) -> Path:
-    """Write the model weights of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out``."""
+    """Write the model weights of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out``, a
+    .safetensors file: any other suffix is refused, since the file would not be what it says."""
+    if Path(out).suffix != ".safetensors":
+        raise ConfigError(f"--out: {str(out)!r} does not end in .safetensors, the format export "
+                          f"writes; name it e.g. {Path(out).stem or 'model'}.safetensors")
     found = committed(Path(run_dir) / "checkpoints")
     if not found:
         raise ConfigError(f"export: {str(run_dir)!r} has no committed checkpoint; pass a run "
@@ -60,8 +64,14 @@ def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int
     saved_step, path = found[-1]
     sd = checkpoint_weights(path)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    try:  # Python's open names the cause (safetensors' own I/O error does not, in one line)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out: {cannot_write(out, e)}; pass a path in a writable "
+                          f"directory") from None
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp),
               metadata={"format": "pt", "allhands_step": str(saved_step)})
     os.replace(tmp, out)  # a reader never sees half a file

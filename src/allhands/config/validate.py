@@ -8,7 +8,6 @@ from typing import Any
 
 from allhands.config.tree import Config, FaultConfig, ParallelConfig
 from allhands.errors import ConfigError
-from allhands.faults import parse_faults  # the spec's grammar lives with the injector
 
 
 def _check(ok: bool, path: str, allowed: str, value: Any) -> None:
@@ -215,6 +214,10 @@ def _validate_fault(f: FaultConfig) -> None:
            f.node_timeout_s)
     _check(f.rdzv_last_call_s > 0, "fault.rdzv_last_call_s", "must be > 0", f.rdzv_last_call_s)
     _check(f.rdzv_join_timeout_s > 0, "fault.rdzv_join_timeout_s", "must be > 0", f.rdzv_join_timeout_s)
+    # Here, not at the top, for start-up time: faults.py imports torch, and `allhands --help`
+    # and `config show` validate without it. The spec's grammar lives with the injector.
+    from allhands.faults import parse_faults
+
     parse_faults(f.inject)
 
 SYNC_MODES = ("allreduce", "diloco", "local_sgd", "auto")

@@ -24,10 +24,13 @@ import numpy as np
 import torch
 
 from allhands.data.tokenizer import ByteTokenizer
-from allhands.errors import DataError
+from allhands.errors import DataError, cannot_write
 
 FORMAT = 1
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# Each split must hold one sample of the default model.seq_len (128) plus its target token, or
+# training on it fails in its workers; smaller inputs are refused here, when it is cheap to say.
+MIN_SPLIT_TOKENS = 129
 
 
 
@@ -56,9 +59,18 @@ def prepare(texts: list[str], out: str | os.PathLike, val_fraction: float = 0.05
         pieces.append(tok.encode(t))
         pieces.append(np.array([tok.eot], dtype=tok.dtype))
     stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=tok.dtype)
-    n_val = max(1, int(len(stream) * val_fraction))
+    n_val = max(MIN_SPLIT_TOKENS, int(len(stream) * val_fraction))
+    if not any(t.strip() for t in texts):
+        raise DataError("prepare: the input holds no text; pass files with text in them")
+    if len(stream) - n_val < MIN_SPLIT_TOKENS:
+        raise DataError(f"prepare: the input is {len(stream)} tokens; it needs {n_val + MIN_SPLIT_TOKENS} "
+                        f"or more (one sample of the default model.seq_len+1={MIN_SPLIT_TOKENS} "
+                        f"tokens in each split); pass more text")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out: {cannot_write(out, e)}; pass a writable directory") from None
     meta = {
         "format": FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
         "dtype": np.dtype(tok.dtype).name,

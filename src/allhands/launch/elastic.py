@@ -80,8 +80,14 @@ def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
             msg = f"killed by {f.signal_name()}"
         else:
             msg = f"exited with code {f.exitcode} (its output above says why)"
-        lines.append(f"worker rank {rank} (pid {f.pid}) on node {node} failed: {msg}")
-    return "; ".join(lines)
+        lines.append((rank, f.pid, msg))
+    # The same cause on several ranks (every rank rejecting the same input) is said once.
+    causes = {msg: [(r, p) for r, p, m in lines if m == msg] for _, _, msg in lines}
+    return "; ".join(
+        f"worker rank {who[0][0]} (pid {who[0][1]}) on node {node} failed: {msg}" if len(who) == 1
+        else f"worker ranks {', '.join(str(r) for r, _ in who)} (pids {', '.join(str(p) for _, p in who)}) "
+             f"on node {node} failed: {msg}"
+        for msg, who in causes.items())
 
 
 def _ranks_of(addr: str, members: dict[str, tuple[int, int]] | None) -> str:

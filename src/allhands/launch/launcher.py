@@ -33,8 +33,8 @@ from allhands.errors import ConfigError, LaunchError
 from allhands.launch import rendezvous
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
-from allhands.launch.rundir import resolve_run
 from allhands.launch.policy import RestartPolicy
+from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.supervisor import supervise
 from allhands.worker import worker_main
 
@@ -114,8 +114,13 @@ class LaunchSpec:
                               f"1 <= MIN <= MAX")
         if s.nnodes > 1 and not s.rdzv_endpoint:
             raise ConfigError("--rdzv-endpoint: required with --nnodes > 1, e.g. node0:29400")
-        if s.rdzv_endpoint and not s.rdzv_endpoint.rpartition(":")[2].isdigit():
-            raise ConfigError(f"--rdzv-endpoint: {s.rdzv_endpoint!r} is not HOST:PORT")
+        if s.rdzv_endpoint and not (s.rdzv_endpoint.rpartition(":")[2].isdigit()
+                                    and 1 <= int(s.rdzv_endpoint.rpartition(":")[2]) <= 65535):
+            raise ConfigError(f"--rdzv-endpoint: {s.rdzv_endpoint!r} is not HOST:PORT with a port "
+                              f"in [1, 65535]")
+        if not 0 <= s.port <= 65535:
+            raise ConfigError(f"--port: {s.port} is not allowed; must be in [1, 65535], or 0 for a "
+                              f"free one")
         if s.rdzv_store not in ("node0", "external"):
             raise ConfigError(f"--rdzv-store: {s.rdzv_store!r} is not allowed; must be node0 or "
                               f"external")
@@ -264,8 +269,16 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
     if cfg.run.threads == 0:
         cfg = Config.from_dict(cfg.to_dict())
         cfg.run.threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+    # one node only: on many, another node may be using the directory this one made
+    fresh = not (resume or spec.multi_node or (cfg.run.dir and Path(cfg.run.dir).exists()))
     cfg = resolve_run(cfg, resume=resume, world_size=spec.nproc * spec.nnodes,
                       multi_node=spec.multi_node)
+    with removed_if_unstarted(Path(cfg.run.dir), created=fresh):
+        _start(cfg, spec, job)
+    return cfg
+
+
+def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
     for nodes in range(spec.min_nodes or spec.nnodes, spec.nnodes):
         # An elastic job may continue on fewer nodes; the same global batch (hence the same data
         # order, sampler.py) must divide at every size it can shrink to.
@@ -281,7 +294,6 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
     launch(worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))
-    return cfg
 
 
 def rendezvous_timeouts(cfg: Config):

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
+from allhands.checkpoint import committed
 from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
-from allhands.errors import AllhandsError, ConfigError
+from allhands.errors import AllhandsError, ConfigError, cannot_write
+from allhands.jobcheck import check_token_data
 
 
 def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
@@ -46,10 +50,44 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
     cfg.run.dir = str(run_dir)
     if not cfg.data.path:
         cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
+    check_token_data(cfg.data.path, cfg.model.seq_len, cfg.run.global_batch)
     if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.resolved.toml").write_text(to_toml(cfg))
+        _write(run_dir, to_toml(cfg))
     return cfg
+
+
+def _write(run_dir: Path, resolved: str) -> None:
+    """Create ``run_dir`` with its config.resolved.toml, or say in one line why it cannot be."""
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.resolved.toml").write_text(resolved)
+    except OSError as e:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise ConfigError(f"run.dir: {cannot_write(run_dir, e)}; set run.dir to a writable "
+                          f"directory") from None
+
+
+def completed_step(run_dir: str | os.PathLike, steps: int) -> int | None:
+    """The step of ``run_dir``'s newest committed checkpoint when it reached ``steps`` (the
+    run is complete: resuming it would train nothing), else None."""
+    found = committed(Path(run_dir) / "checkpoints")
+    return found[-1][0] if found and found[-1][0] >= steps else None
+
+
+@contextlib.contextmanager
+def removed_if_unstarted(run_dir: Path, created: bool):
+    """A start that fails leaves no run directory it created: removed unless a training step was
+    logged or a checkpoint committed (then its metrics and logs say what happened)."""
+    try:
+        yield
+    except BaseException:
+        metrics = run_dir / "metrics.jsonl"
+        stepped = metrics.is_file() and '"loss"' in metrics.read_text(errors="replace")
+        if created and not stepped and not committed(run_dir / "checkpoints"):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def _same_job(run_dir: Path, cfg: Config) -> bool:

@@ -22,7 +22,7 @@ def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy,
     if name == "allreduce":
         strategy: SyncStrategy = AllReduceSync(
             bucket_mb=cfg.parallel.bucket_mb, compress=s.compress, powersgd_rank=s.powersgd_rank,
-            powersgd_start_step=s.powersgd_start_step)
+            powersgd_start_step=s.powersgd_start_step, reducer=reducer(cfg, mesh))
     elif name == "diloco":
         strategy = DiLoCoSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
                               outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
@@ -32,6 +32,20 @@ def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy,
         strategy = LocalSGDSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
                                 compress=s.outer_compress, warmup_steps=s.sync_warmup_steps)
     return strategy, note or f"sync: {strategy.describe()}"
+
+
+def reducer(cfg: Config, mesh: Mesh) -> str:
+    """What reconciles the gradients every step under the layout parallelize() applies (see
+    parallel/parallelize.py): DDP, FSDP2 (ZeRO-2/3, hybrid over dp_replicate) or, for pipeline
+    stages, composable replicate; nothing when there is one data-parallel replica."""
+    zero = cfg.parallel.zero
+    if mesh.dp_size == 1:
+        return "no data-parallel peers (one replica)"
+    if zero >= 2:
+        hsdp = " + all-reduce across dp_replicate (HSDP)" if mesh.size("dp_replicate") > 1 else ""
+        return f"FSDP reduce-scatter{hsdp} every step (ZeRO-{zero})"
+    how = "replicate all-reduce" if mesh.size("pp") > 1 else "DDP all-reduce"
+    return f"{how} every step" + (" (ZeRO-1: optimizer state sharded)" if zero == 1 else "")
 
 
 __all__ = ["AllReduceSync", "DiLoCoSync", "LocalSGDSync", "SyncStrategy", "build_sync", "STRATEGIES"]

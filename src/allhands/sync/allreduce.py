@@ -79,8 +79,9 @@ class AllReduceSync(SyncStrategy):
     name = "allreduce"
 
     def __init__(self, bucket_mb: float = 25.0, compress: str = "none", powersgd_rank: int = 4,
-                 powersgd_start_step: int = 10):
+                 powersgd_start_step: int = 10, reducer: str = "DDP all-reduce every step"):
         super().__init__()
+        self.reducer = reducer  # for the log line: sync.reducer() names the layout's collective
         if compress not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compress!r}")
         self.bucket_mb = bucket_mb
@@ -91,7 +92,7 @@ class AllReduceSync(SyncStrategy):
 
     def describe(self) -> str:
         extra = f" rank {self.powersgd_rank}" if self.compress == "powersgd" else ""
-        return f"allreduce: DDP every step (compression {self.compress}{extra})"
+        return f"allreduce: {self.reducer} (compression {self.compress}{extra})"
 
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         # parallelize() already applied DDP or FSDP (reconciles_replicas is False); only DDP
