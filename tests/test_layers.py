@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "env", "faults", "heartbeat", "netlab"),
-    ("data", "models", "metrics", "report", "admission"),
+    ("data", "models", "metrics", "report", "admission", "job", "optim"),
     ("mesh",),
     ("parallel", "sync", "memory"),
     ("checkpoint",),

@@ -30,8 +30,8 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
     """
     # Here, not at the top: `import allhands` for its config and errors does not import torch.
     from allhands.env import worker_env
+    from allhands.job import Job
     from allhands.launch.rundir import resolve_run
-    from allhands.trainer import Job
     from allhands.worker import reported_failures, run_training
 
     with reported_failures():

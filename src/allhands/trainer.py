@@ -12,132 +12,33 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
                                  check_compatible, load_weights, seed_rank)
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
-from allhands.data import GlobalSampler, load_token_splits
+from allhands.data import GlobalSampler
 from allhands.data.sampler import collate
-from allhands.errors import CheckpointError, ConfigError
+from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.env import gloo_interface, worker_env
 from allhands.heartbeat import Heartbeat
+from allhands.job import Job, build_data, build_reference_model, lm_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, iface_tx_bytes
-from allhands.models import GPT, GPTConfig
 from allhands.memory import local, log_memory, peak_memory, state_bytes
+from allhands.optim import build_optimizer, lr_lambda
 from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
 from allhands.parallel.pipeline import build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import optimizer_for_checkpoint
 from allhands.sync import build_sync
 
-ModelFn = Callable[[Config], nn.Module]
-DataFn = Callable[[Config], Any]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Job:
-    """What a user brings. ``None`` fields take the reference GPT, token shards and LM loss."""
-
-    model: ModelFn | None = None
-    data: DataFn | None = None
-    loss: LossFn | None = None
-    tp_plan: Any = None  # {fqn: ParallelStyle} or (model, sequence_parallel) -> that; see parallel/tensor.py
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy; logits ``(B, T, V)``, targets ``(B, T)``."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
-
-
-def build_reference_model(cfg: Config, vocab_size: int) -> GPT:
-    m = cfg.model
-    return GPT(GPTConfig(vocab_size=m.vocab_size or vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                         tie_embeddings=m.tie_embeddings))
-
-
-def build_data(cfg: Config, job: Job):
-    """(train, val or None, vocab_size or None)."""
-    if job.data is not None:
-        out = job.data(cfg)
-        train, val = out if isinstance(out, tuple) else (out, None)
-        return train, val, None
-    train, val, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
-    if cfg.model.vocab_size and cfg.model.vocab_size < meta["vocab_size"]:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
-                          f"vocabulary {meta['vocab_size']}; use 0 to take it from the data")
-    return train, val, meta["vocab_size"]
-
-
-def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.optim.Optimizer:
-    """AdamW (or plain SGD, the linear case the DiLoCo H=1 test needs); weight decay on
-    matrices only (GPT-2/nanoGPT convention). ``model`` may be the list of this rank's pipeline
-    stages."""
-    o = cfg.optim
-    decay, no_decay = [], []
-    if isinstance(model, list):
-        if len(model) > 1:
-            return OptimizerParts([build_optimizer(m, cfg) for m in model])
-        model = model[0]
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
-class OptimizerParts(torch.optim.Optimizer):
-    """One AdamW per pipeline stage of this rank (interleaved schedules hold several), stepped
-    as one. Its ``param_groups`` are the stages' own group dicts, so one LR scheduler drives all."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-        super().__init__([q for o in optimizers for g in o.param_groups for q in g["params"]],
-                         dict(optimizers[0].defaults))
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
-
-    @property
-    def state(self):  # every stage's state, e.g. for counting its bytes
-        return {p: st for o in self.optimizers for p, st in o.state.items()}
-
-    @state.setter
-    def state(self, value) -> None:  # Optimizer.__init__ assigns an empty one; stages hold theirs
-        pass
-
-    def step(self, closure=None):  # the stages' optimizers step in turn
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-
-def lr_lambda(cfg: Config) -> Callable[[int], float]:
-    """Linear warmup to 1, then cosine to ``min_lr_ratio`` at the last step."""
-    o, total = cfg.optim, cfg.run.steps
-
-    def f(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        span = max(1, total - o.warmup_steps)
-        progress = min(1.0, (step - o.warmup_steps) / span)
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
+__all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
 
 def param_checksums(model: nn.Module) -> torch.Tensor:
