@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mesh",),
     ("parallel", "sync", "memory"),
     ("checkpoint",),
-    ("trainer",),
+    ("trainer", "steplog"),
     ("worker",),
     ("launch",),
     ("drill", "allhands"),  # "allhands": the package itself, the Python API

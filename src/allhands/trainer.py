@@ -26,16 +26,17 @@ from allhands.data import GlobalSampler
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
-from allhands.env import gloo_interface, worker_env
+from allhands.env import worker_env
 from allhands.heartbeat import Heartbeat
 from allhands.job import Job, build_data, build_reference_model, lm_loss
 from allhands.mesh import Mesh
-from allhands.metrics import MetricsWriter, iface_tx_bytes
-from allhands.memory import local, log_memory, peak_memory, state_bytes
+from allhands.metrics import MetricsWriter
+from allhands.memory import local, log_memory, state_bytes
 from allhands.optim import build_optimizer, lr_lambda
 from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
 from allhands.parallel.pipeline import build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import optimizer_for_checkpoint
+from allhands.steplog import StepLog
 from allhands.sync import build_sync
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
@@ -119,10 +120,7 @@ class Trainer:
             if use_bf16 and not fsdp_mp else contextlib.nullcontext
         self.memory: dict[str, int] | None = None
         self.tokens_per_sample: int | None = None
-        # Communication accounting between two logged steps (see _log_step).
-        self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.node_local_rank == 0 else None
-        self.net_iface = gloo_interface() if self._tx_at_log is not None else None
-        self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
+        self.steplog = StepLog(mesh, r.global_batch)
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -304,11 +302,16 @@ class Trainer:
                 if r.check_sync and self.strategy.in_sync(ts.step):
                     self.check_replicas(ts.step)
                 dt = time.perf_counter() - t0
-                self._window[0] += 1
-                self._window[1] += dt
+                self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
-                    result = self._log_step(metrics, loss_sum, gnorm, dt)
+                    result = self.steplog.gather(
+                        step=ts.step, loss_sum=loss_sum, gnorm=gnorm, dt=dt,
+                        comm=self.strategy.comm.take(), reports_loss=self._reports_loss,
+                        lr=self.scheduler.get_last_lr()[0], tokens_per_sample=self.tokens_per_sample,
+                        counters={"nonfinite_skips": ts.nonfinite_skips,
+                                  "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks})
+                    metrics.log(result)
                 if (r.eval_interval and ts.step % r.eval_interval == 0) or last:
                     ev = self.evaluate()
                     if ev is not None:
@@ -362,48 +365,3 @@ class Trainer:
         metrics.message(f"allhands: warning: non-finite loss or gradient at step {bad_step}; rolled "
                         f"back to step {ts.step} (rollback {self.rollbacks})")
         return True
-
-    def _log_step(self, metrics: MetricsWriter, loss_sum: torch.Tensor, gnorm: torch.Tensor,
-                  dt: float) -> dict[str, Any]:
-        """One small all_gather per logged step: the mean loss of the ranks that hold one (last
-        pipeline stage, tp rank 0), each rank's step time and peak memory, and the communication
-        each rank recorded since the last logged step (bytes from the collectives' sizes, in the
-        lab also the interface's counter; seconds in flight and exposed)."""
-        mesh, r = self.mesh, self.cfg.run
-        peak, peak_kind = peak_memory(mesh.device)
-        payload, wire, comm_s, exposed_s = self.strategy.comm.take()
-        tx = iface_tx_bytes(self.net_iface)
-        sent = tx - self._tx_at_log if tx is not None and self._tx_at_log is not None else 0.0
-        self._tx_at_log = tx
-        steps, window_s = self._window
-        self._window = [0, 0.0]
-        mine = torch.tensor([float(loss_sum), dt, payload, wire, comm_s, exposed_s, sent, window_s,
-                             peak, float(self._reports_loss)], dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
-        dist.all_gather(gathered, mine)
-        g = torch.stack(gathered)  # (world, 10)
-        losses = g[g[:, 9] > 0, 0].tolist()
-        times = g[:, 1].tolist()
-        per_step = max(steps, 1)
-        step_time = max(times)
-        samples_per_s = r.global_batch / step_time
-        record = {
-            "step": self.train_state.step, "loss": sum(losses) / len(losses),
-            "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
-            "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * (self.tokens_per_sample or 1),
-            "step_time": step_time, "step_time_rank": times, "time": time.time(),
-            "peak_mem_bytes_rank": [int(v) for v in g[:, 8].tolist()], "peak_mem_kind": peak_kind,
-            "nonfinite_skips": self.train_state.nonfinite_skips,
-            "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks,
-            # Per step, averaged over the steps since the last logged one (DiLoCo: 1/H of a round).
-            "comm_bytes": float(g[:, 2].mean()) / per_step,       # collective payload per rank
-            "comm_wire_bytes": float(g[:, 3].mean()) / per_step,  # ring lower bound per rank
-            "comm_time": float(g[:, 4].max()) / per_step,
-            "comm_exposed": float(g[:, 5].max()) / per_step,
-            "comm_exposed_frac": float((g[:, 5] / g[:, 7].clamp_min(1e-12)).max()),
-        }
-        if self.net_iface is not None or float(g[:, 6].sum()) > 0:
-            record["net_tx_bytes"] = float(g[:, 6].sum()) / per_step  # all nodes' interfaces
-        metrics.log(record)
-        return record
