@@ -27,7 +27,7 @@ class CheckpointBenchJob:
         from allhands.data import load_token_splits
         from allhands.env import worker_env
         from allhands.mesh import Mesh
-        from allhands.trainer import build_reference_model
+        from allhands.job import build_reference_model
 
         self.cfg = cfg = Config.from_dict(cfg_dict)
         env = worker_env()

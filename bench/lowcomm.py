@@ -201,7 +201,7 @@ def main() -> None:
     from allhands.launch.rundir import _cache_dir
     from allhands.netlab import Lab, unavailable
     from allhands.config import load_config
-    from allhands.trainer import build_reference_model
+    from allhands.job import build_reference_model
 
     reason = None if args.loopback else unavailable()
     if reason:

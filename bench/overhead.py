@@ -30,7 +30,7 @@ def handwritten_steps(cfg, mesh, train_ds, steps: int) -> list[float]:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from allhands.trainer import build_reference_model
+    from allhands.job import build_reference_model
 
     torch.manual_seed(0)
     model = DDP(build_reference_model(cfg, 257))

@@ -59,7 +59,7 @@ def worker(rounds: int, steps: int, out: str) -> None:
     from allhands.mesh import Mesh
     from allhands.models import GPT, GPTConfig
     from allhands.parallel import apply_zero1, clip_grad_norm, parallelize
-    from allhands.trainer import build_optimizer
+    from allhands.optim import build_optimizer
 
     env = worker_env()
     world = env.world_size

@@ -84,7 +84,7 @@ def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir
 
     from allhands.checkpoint import load_weights
     from allhands.launch.launcher import free_port
-    from allhands.trainer import build_reference_model
+    from allhands.job import build_reference_model
 
     from conftest import TINY, tiny_config
 

@@ -20,7 +20,7 @@ from allhands.errors import LaunchError
 from allhands.faults import fired_at
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.checkpoint.manifest import verify_manifest
-from allhands.trainer import Job, build_reference_model
+from allhands.job import Job, build_reference_model
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
 

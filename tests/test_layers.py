@@ -16,11 +16,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "configdoc", "env", "faults", "heartbeat", "netlab"),
-    ("data", "models", "metrics", "report", "admission", "jobcheck"),
+    ("data", "models", "metrics", "report", "admission", "jobcheck", "job", "optim"),
     ("mesh",),
     ("parallel", "sync", "memory"),
     ("checkpoint",),
-    ("trainer",),
+    ("trainer", "steplog"),
     ("worker",),
     ("launch",),
     ("drill", "allhands"),  # "allhands": the package itself, the Python API

@@ -16,7 +16,8 @@ from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import ConfigError
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.trainer import build_optimizer, build_reference_model, lm_loss, lr_lambda
+from allhands.job import build_reference_model, lm_loss
+from allhands.optim import build_optimizer, lr_lambda
 
 from conftest import tiny_config
 from test_parity import assert_resume_bit_exact, max_rel_diff, reference_params, trained_params

@@ -13,7 +13,8 @@ from allhands.checkpoint import committed, load_weights
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.trainer import build_optimizer, build_reference_model, lm_loss, lr_lambda
+from allhands.job import build_reference_model, lm_loss
+from allhands.optim import build_optimizer, lr_lambda
 
 from conftest import tiny_config
 

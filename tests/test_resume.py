@@ -9,7 +9,7 @@ import torch
 
 from allhands.checkpoint import committed, load_weights
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.trainer import build_reference_model
+from allhands.job import build_reference_model
 
 from conftest import tiny_config
 

@@ -73,7 +73,7 @@ def _check_memory_record(run_dir, cfg, nproc):
 
 
 def reference_model(cfg):
-    from allhands.trainer import build_reference_model
+    from allhands.job import build_reference_model
 
     return build_reference_model(cfg, 257)
 
@@ -108,7 +108,7 @@ def test_checkpoint_loads_under_other_layouts_and_world_sizes(token_dir, tmp_pat
     import shutil
 
     from allhands.checkpoint import load_weights
-    from allhands.trainer import build_reference_model
+    from allhands.job import build_reference_model
 
     zero = {k: ["parallel.dp_shard=2", f"parallel.zero={k}"] for k in (1, 2, 3)}
     common = ["run.steps=5", "checkpoint.interval=1", "checkpoint.keep_last=5", "run.eval_interval=1"]
@@ -148,7 +148,7 @@ def test_export_then_import_round_trips_exactly(token_dir, tmp_path, cli_env):
     from safetensors.torch import load_file
 
     from allhands.checkpoint.export import load_weights
-    from allhands.trainer import build_reference_model
+    from allhands.job import build_reference_model
     from conftest import ALLHANDS
 
     src = tmp_path / "src"

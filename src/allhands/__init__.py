@@ -37,9 +37,9 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
     from pathlib import Path
 
     from allhands.env import worker_env
+    from allhands.job import Job
     from allhands.jobcheck import data_builder, loss_function, model_builder
     from allhands.launch.rundir import removed_if_unstarted, resolve_run
-    from allhands.trainer import Job
     from allhands.worker import reported_failures, run_training
 
     with reported_failures():

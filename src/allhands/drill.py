@@ -24,7 +24,7 @@ from allhands.config import Config
 from allhands.errors import ConfigError
 from allhands.faults import Fault, fired_at, plan_faults
 from allhands.launch.launcher import train_job
-from allhands.trainer import Job, build_data, build_reference_model
+from allhands.job import Job, build_data, build_reference_model
 
 
 @dataclass

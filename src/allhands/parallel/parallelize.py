@@ -6,7 +6,7 @@ parameters with DTensors on the ``tp`` mesh that FSDP then shards again over ``d
 before FSDP so that each FSDP unit is a checkpointed block and its all-gather runs again on
 recompute; DDP last because it must see the final parameters. The pipeline split (pp) happens
 before all of them, on each stage's module. ZeRO-1 is an optimizer wrapper
-(``parallel/zero1.py``), applied by the trainer after the optimizer exists.
+(``parallel/zero1.py``), applied by ``layout.py`` after the optimizer exists.
 """
 
 from __future__ import annotations

@@ -1,0 +1,55 @@
+"""What a user brings to a run (model, data, loss, tensor-parallel plan) and the defaults that
+stand in for what they leave out: the reference GPT, the token shards and the LM loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from allhands.config import Config
+from allhands.data import load_token_splits
+from allhands.errors import ConfigError
+from allhands.models import GPT, GPTConfig
+
+ModelFn = Callable[[Config], nn.Module]
+DataFn = Callable[[Config], Any]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Job:
+    """What a user brings. ``None`` fields take the reference GPT, token shards and LM loss."""
+
+    model: ModelFn | None = None
+    data: DataFn | None = None
+    loss: LossFn | None = None
+    tp_plan: Any = None  # {fqn: ParallelStyle} or (model, sequence_parallel) -> that; see parallel/tensor.py
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy; logits ``(B, T, V)``, targets ``(B, T)``."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def build_reference_model(cfg: Config, vocab_size: int) -> GPT:
+    m = cfg.model
+    return GPT(GPTConfig(vocab_size=m.vocab_size or vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
+                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
+                         tie_embeddings=m.tie_embeddings))
+
+
+def build_data(cfg: Config, job: Job):
+    """(train, val or None, vocab_size or None)."""
+    if job.data is not None:
+        out = job.data(cfg)
+        train, val = out if isinstance(out, tuple) else (out, None)
+        return train, val, None
+    train, val, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    if cfg.model.vocab_size and cfg.model.vocab_size < meta["vocab_size"]:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
+                          f"vocabulary {meta['vocab_size']}; use 0 to take it from the data")
+    return train, val, meta["vocab_size"]

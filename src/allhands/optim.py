@@ -1,0 +1,73 @@
+"""The optimizer and its learning-rate schedule: AdamW (or SGD) with weight decay on matrices,
+one per pipeline stage stepped as one, and linear warmup then cosine decay."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from allhands.config import Config
+
+
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD, the linear case the DiLoCo H=1 test needs); weight decay on
+    matrices only (GPT-2/nanoGPT convention). ``model`` may be the list of this rank's pipeline
+    stages."""
+    o = cfg.optim
+    decay, no_decay = [], []
+    if isinstance(model, list):
+        if len(model) > 1:
+            return OptimizerParts([build_optimizer(m, cfg) for m in model])
+        model = model[0]
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+class OptimizerParts(torch.optim.Optimizer):
+    """One AdamW per pipeline stage of this rank (interleaved schedules hold several), stepped
+    as one. Its ``param_groups`` are the stages' own group dicts, so one LR scheduler drives all."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        super().__init__([q for o in optimizers for g in o.param_groups for q in g["params"]],
+                         dict(optimizers[0].defaults))
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @property
+    def state(self):  # every stage's state, e.g. for counting its bytes
+        return {p: st for o in self.optimizers for p, st in o.state.items()}
+
+    @state.setter
+    def state(self, value) -> None:  # Optimizer.__init__ assigns an empty one; stages hold theirs
+        pass
+
+    def step(self, closure=None):  # the stages' optimizers step in turn
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def lr_lambda(cfg: Config) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine to ``min_lr_ratio`` at the last step."""
+    o, total = cfg.optim, cfg.run.steps
+
+    def f(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        span = max(1, total - o.warmup_steps)
+        progress = min(1.0, (step - o.warmup_steps) / span)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
