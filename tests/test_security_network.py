@@ -196,7 +196,7 @@ def test_job_secret_sources(tmp_path, capsys):
     assert job_secret(multi_node=True, secret_file="", insecure=False, env=env) == "e" * 20
     f = tmp_path / "s"
     f.write_text("f" * 20 + "\n")
-    f.chmod(0o640)  # group-readable is the user's choice; world-readable is refused
+    f.chmod(0o600)  # only its owner may read it (group- and world-readable are refused)
     env["ALLHANDS_SECRET_FILE"] = str(f)
     assert job_secret(multi_node=True, secret_file="", insecure=False, env=env) == "f" * 20
     g = tmp_path / "g"

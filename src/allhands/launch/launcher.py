@@ -27,7 +27,7 @@ import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from allhands import admission
+from allhands import admission, safefs
 from allhands.config import Config, validate
 from allhands.errors import ConfigError, LaunchError
 from allhands.launch import rendezvous
@@ -177,7 +177,11 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
                      run_dir=run_dir, timeouts=timeouts)
 
     # Multi-node: torch's agent restarts (it re-rendezvouses every node); single node: we do.
-    supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
+    # Every temporary file of the launcher, torch's spawner (the pickled traceback of a failed
+    # worker it reads back) and the workers goes to a directory only this user can enter, and
+    # everything the job writes is the user's alone (safefs.py).
+    with safefs.private_tmp(), safefs.private_umask():
+        supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
 
 
 def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,

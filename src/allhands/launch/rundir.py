@@ -11,6 +11,7 @@ from pathlib import Path
 from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
 from allhands.errors import AllhandsError, ConfigError
+from allhands.safefs import owner_problem, write_private
 
 
 def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
@@ -46,10 +47,23 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
     cfg.run.dir = str(run_dir)
     if not cfg.data.path:
         cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
+    check_run_dir(run_dir)
     if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.resolved.toml").write_text(to_toml(cfg))
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(run_dir / "config.resolved.toml", to_toml(cfg))
     return cfg
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """An existing run directory must be this user's and writable by no one else: another user
+    could otherwise read the job's data or plant symlinks that redirect its writes."""
+    try:
+        st = run_dir.stat()
+    except FileNotFoundError:
+        return
+    problem = owner_problem(st, "run.dir:", run_dir)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _same_job(run_dir: Path, cfg: Config) -> bool:
