@@ -431,6 +431,7 @@ def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     write_manifest(ckpt)
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert "refused to unpickle" in msg and ".metadata" in msg and not canary.exists()
+    assert "refused (unsafe)" in msg
 
     # 2. A genuine-looking .metadata whose bytes item (the scheduler's last_epoch, a pickled
     #    int) now points at a torch.save'd payload appended to the shard.
@@ -447,7 +448,44 @@ def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     write_manifest(ckpt)
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert "'scheduler.last_epoch'" in msg and "crafted" in msg and not canary.exists()
+    assert "refused (unsafe)" in msg
 
     # Control: torch's own reader runs this payload, so the refusal above was not vacuous.
     dcp.load({"scheduler": {"last_epoch": 0}}, checkpoint_id=ckpt, no_dist=True)
     assert canary.exists()
+
+
+def test_a_crafted_tensor_item_is_refused_as_unsafe_on_resume_and_export(token_dir, tmp_path, cli_env):
+    """A tensor item (read by torch itself, with weights_only=True) pointed at a payload: resume
+    and ``allhands export`` each refuse it in one line naming the item, never as "damaged" and
+    never with torch's advice to pass weights_only=False."""
+    import subprocess
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from conftest import ALLHANDS, ROOT
+
+    run_dir, canary = tmp_path / "run", tmp_path / "canary"
+    cfg, ckpt = _trained_run(token_dir, run_dir)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: plain pickle is fine
+    index = next(i for i in md.storage_data if i.fqn.startswith("model.")
+                 and isinstance(md.state_dict_metadata[i.fqn], TensorStorageMetadata))
+    shard = ckpt / md.storage_data[index].relative_path
+    payload = tmp_path / "payload.pt"
+    torch.save(Canary(canary), payload)
+    md.storage_data[index].offset = shard.stat().st_size
+    md.storage_data[index].length = payload.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.read_bytes())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    write_manifest(ckpt)
+    msg = _resume_fails_in_one_line(cfg, run_dir)
+    assert f"checkpoint item {index.fqn!r}" in msg and "refused (unsafe)" in msg, msg
+    assert "damaged" not in msg and "weights_only=False" not in msg and not canary.exists()
+
+    r = subprocess.run([*ALLHANDS, "export", str(run_dir), "--out", str(tmp_path / "w.safetensors")],
+                       env=cli_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("allhands:")]
+    assert len(lines) == 1 and "refused (unsafe)" in lines[0] and index.fqn in lines[0], r.stderr
+    assert "weights_only=False" not in r.stderr and not canary.exists()
