@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import re
 import tempfile
 import time
 import uuid
@@ -25,7 +26,7 @@ from allhands.admission import job_secret
 from allhands.errors import ConfigError
 from allhands.launch.rundir import resolve_run
 
-from conftest import ROOT, tiny_config
+from conftest import ALLHANDS, ROOT, tiny_config
 
 ROOTLESS = os.geteuid() != 0 or shutil.which("useradd") is None
 needs_root = pytest.mark.skipif(ROOTLESS, reason="needs root (to create the attacking user) and "
@@ -184,3 +185,85 @@ def test_a_secret_file_others_may_read_or_write_is_refused(tmp_path, mode):
                    env={"ALLHANDS_SECRET_FILE": str(path)})
     path.chmod(0o600)
     assert job_secret(multi_node=True, secret_file=str(path), insecure=False, env={}) == "x" * 32
+
+
+# --------------------------------------------------------------------------- the stores
+
+SITE = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"), None)
+
+
+def _start_job(out: Path, cli_env: dict) -> tuple[subprocess.Popen, dict[str, int]]:
+    """``allhands launch`` of tests/scripts/store_job.py; returns it and the ports its line
+    names (``{"rendezvous store": port, "worker store": port}``)."""
+    proc = subprocess.Popen([*ALLHANDS, "launch", "--nproc", "2", "tests/scripts/store_job.py",
+                             str(out)], env=cli_env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("allhands: listening on"):
+            ports = {what: int(port) for port, what in
+                     re.findall(r"127\.0\.0\.1:(\d+) \((rendezvous store|worker store)", line)}
+            return proc, ports
+    raise AssertionError("".join(lines)[-3000:])
+
+
+def _forge(stranger, port: int, what: str) -> str:
+    attacker = as_user(stranger, [SYSTEM_PYTHON, str(ROOT / "tests/scripts/store_forger.py"),
+                                  "127.0.0.1", str(port), what],
+                       env={"PYTHONPATH": str(SITE)})
+    out, err = attacker.communicate(timeout=60)
+    assert attacker.returncode == 0, err[-3000:]
+    return out
+
+
+def _wait_ready(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((out / f"ready{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+@needs_root
+def test_forged_gloo_connection_records_are_refused(stranger, tmp_path, cli_env):
+    """The relay attack's first step: overwrite (here: plant, before gloo writes them) the
+    connection records of a process group with another address. Every record read carries a
+    MAC under the job secret, so the forged ones are refused and named, and no rank computes
+    with a peer it did not verify."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, ports = _start_job(out, cli_env)
+    try:
+        _wait_ready(out, proc)
+        said = _forge(stranger, ports["worker store"], "gloo")
+        assert said.startswith("forged"), said
+        (out / "go").touch()
+        err = proc.communicate(timeout=180)[1]
+    finally:
+        (out / "go").touch()
+        proc.kill()
+    intrusions = [ln for ln in err.splitlines() if "intrusion: refused key '/worker/attempt_0/0//" in ln]
+    assert proc.returncode == 1 and intrusions, err[-3000:]
+    assert "worker store at 127.0.0.1" in intrusions[0] and "no valid MAC" in intrusions[0]
+    assert not list(out.glob("rank*.json")), "a rank computed with a forged peer"
+
+
+@needs_root
+def test_a_forged_rendezvous_state_is_refused(stranger, tmp_path, cli_env):
+    """A well-formed state with a fake node on the wait list made torch's agent restart every
+    worker, silently; its MAC is missing, so the launcher refuses it and stops in one line."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, ports = _start_job(out, cli_env)
+    try:
+        _wait_ready(out, proc)
+        said = _forge(stranger, ports["rendezvous store"], "state")
+        assert said.startswith("forged the rendezvous state"), said
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        (out / "go").touch()
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"allhands: intrusion: refused key 'torch\.rendezvous\.\w+' in the rendezvous "
+                     r"store at 127\.0\.0\.1:\d+: its value has no valid MAC", err), err[-3000:]
+    assert "waiting to join" not in err and "Traceback" not in err

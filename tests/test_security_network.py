@@ -122,16 +122,18 @@ def test_single_host_job_listens_on_loopback_only(tmp_path, cli_env):
 
 
 def test_rank_with_another_secret_is_refused_before_any_tensor(tmp_path, cli_env):
-    """The last rank runs allhands with a secret that is not the job's: every rank refuses the
-    other, logs it with the address it gave, and no all_reduce result exists."""
+    """The last rank runs allhands with a secret that is not the job's: its connection record in
+    the worker store carries a MAC under that other secret, so rank 0 refuses it (an intrusion,
+    named by its key) before gloo connects, and no all_reduce result exists."""
     proc = _launch(["--nproc", "2", JOB, str(tmp_path), "0", "wrong-secret"], cli_env)
     err = _finish([proc])[0]
     assert proc.returncode == 1, err[-3000:]
-    refusal = [ln for ln in err.splitlines() if ln.startswith("allhands: admission:")]
-    assert any(re.search(r"worker rank 0 refused rank 1 \(says 127\.0\.0\.1, pid \d+\)", ln)
+    refusal = [ln for ln in err.splitlines() if ln.startswith("allhands: intrusion:")]
+    assert any(re.search(r"refused key '/worker/attempt_0/0//cpu//0/1' in the worker store at "
+                         r"127\.0\.0\.1:\d+: its value has no valid MAC", ln)
                for ln in refusal), err[-3000:]
     summary = [ln for ln in err.splitlines() if ln.startswith("allhands: error:")]
-    assert len(summary) == 1 and "AdmissionError" in summary[0] and "Traceback" not in err
+    assert len(summary) == 1 and "IntrusionError" in summary[0] and "Traceback" not in err
     assert not list(tmp_path.glob("*.json"))
 
 

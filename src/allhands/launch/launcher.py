@@ -216,6 +216,7 @@ def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
                                 local_addr=spec.local_addr, bind=spec.bind, port=spec.port,
                                 external_store=spec.rdzv_store == "external",
                                 **({"timeouts": timeouts} if timeouts else {}))
+    listeners.secret = secret  # the rendezvous store's values are MAC'd under it
     env = admission.worker_environment(secret)
     # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
