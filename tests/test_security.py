@@ -419,6 +419,19 @@ def _resume_fails_in_one_line(cfg, run_dir: Path) -> str:
     return _one_line(ei.value)
 
 
+def _point_at_payload(ckpt: Path, md, index, canary: Path, payload: Path) -> None:
+    """Append a torch.save'd payload to the item's shard, point the item at it in ``.metadata``
+    and write a matching manifest (as whoever ships a crafted checkpoint would)."""
+    shard = ckpt / md.storage_data[index].relative_path
+    torch.save(Canary(canary), payload)
+    md.storage_data[index].offset = shard.stat().st_size
+    md.storage_data[index].length = payload.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.read_bytes())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    write_manifest(ckpt)
+
+
 def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     """An attacker ships a checkpoint whose manifest matches (they wrote it), so only the
     restricted readers stand between the payload and our process."""
@@ -437,15 +450,7 @@ def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     #    int) now points at a torch.save'd payload appended to the shard.
     md = pickle.loads(genuine)  # our own file: plain pickle is fine here
     index = next(i for i in md.storage_data if i.fqn == "scheduler.last_epoch")
-    shard = ckpt / md.storage_data[index].relative_path
-    payload = tmp_path / "payload.pt"
-    torch.save(Canary(canary), payload)
-    md.storage_data[index].offset = shard.stat().st_size
-    md.storage_data[index].length = payload.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(payload.read_bytes())
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    write_manifest(ckpt)
+    _point_at_payload(ckpt, md, index, canary, tmp_path / "payload.pt")
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert "'scheduler.last_epoch'" in msg and "crafted" in msg and not canary.exists()
     assert "refused (unsafe)" in msg
@@ -470,15 +475,7 @@ def test_a_crafted_tensor_item_is_refused_as_unsafe_on_resume_and_export(token_d
     md = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: plain pickle is fine
     index = next(i for i in md.storage_data if i.fqn.startswith("model.")
                  and isinstance(md.state_dict_metadata[i.fqn], TensorStorageMetadata))
-    shard = ckpt / md.storage_data[index].relative_path
-    payload = tmp_path / "payload.pt"
-    torch.save(Canary(canary), payload)
-    md.storage_data[index].offset = shard.stat().st_size
-    md.storage_data[index].length = payload.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(payload.read_bytes())
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    write_manifest(ckpt)
+    _point_at_payload(ckpt, md, index, canary, tmp_path / "payload.pt")
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert f"checkpoint item {index.fqn!r}" in msg and "refused (unsafe)" in msg, msg
     assert "damaged" not in msg and "weights_only=False" not in msg and not canary.exists()

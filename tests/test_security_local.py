@@ -99,17 +99,23 @@ def test_a_payload_planted_in_the_shared_temp_directory_never_runs(stranger, tmp
 
 def test_private_tmp_is_private_and_removed_and_stale_ones_are_swept(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f"allhands-{os.geteuid()}-{dead.pid}-abc"  # a killed launcher's
+    stale = tmp_path / f"allhands-{os.geteuid()}-killed"  # a killed launcher's: nobody holds it
     stale.mkdir()
     (stale / "attempt-0").mkdir()
-    alive = tmp_path / f"allhands-{os.geteuid()}-{os.getppid()}-abc"  # a running launcher's
+    alive = tmp_path / f"allhands-{os.geteuid()}-running"  # a running launcher's
     alive.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; "
+                               f"fd = os.open({str(alive)!r}, os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline().strip() == "held"
     with safefs.private_tmp() as private:
         assert stat.S_IMODE(private.stat().st_mode) == 0o700
         assert tempfile.gettempdir() == str(private) == os.environ["TMPDIR"]
         assert not stale.exists() and alive.exists()
+        assert safefs.sweep_stale(tmp_path) == []  # this job's own directory is held too
+    holder.communicate("")
     assert not private.exists() and tempfile.gettempdir() == str(tmp_path)
 
 
@@ -193,8 +199,9 @@ SITE = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"), None)
 
 
 def _start_job(out: Path, cli_env: dict) -> tuple[subprocess.Popen, dict[str, int]]:
-    """``allhands launch`` of tests/scripts/store_job.py; returns it and the ports its line
-    names (``{"rendezvous store": port, "worker store": port}``)."""
+    """``allhands launch`` of tests/scripts/store_job.py, once its workers were admitted and
+    wait; returns it and the ports its line names (``{"rendezvous store": port, ...}``)."""
+    out.mkdir()
     proc = subprocess.Popen([*ALLHANDS, "launch", "--nproc", "2", "tests/scripts/store_job.py",
                              str(out)], env=cli_env, cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -204,6 +211,7 @@ def _start_job(out: Path, cli_env: dict) -> tuple[subprocess.Popen, dict[str, in
         if line.startswith("allhands: listening on"):
             ports = {what: int(port) for port, what in
                      re.findall(r"127\.0\.0\.1:(\d+) \((rendezvous store|worker store)", line)}
+            _wait_ready(out, proc)
             return proc, ports
     raise AssertionError("".join(lines)[-3000:])
 
@@ -231,10 +239,8 @@ def test_forged_gloo_connection_records_are_refused(stranger, tmp_path, cli_env)
     MAC under the job secret, so the forged ones are refused and named, and no rank computes
     with a peer it did not verify."""
     out = tmp_path / "out"
-    out.mkdir()
     proc, ports = _start_job(out, cli_env)
     try:
-        _wait_ready(out, proc)
         said = _forge(stranger, ports["worker store"], "gloo")
         assert said.startswith("forged"), said
         (out / "go").touch()
@@ -253,10 +259,8 @@ def test_a_forged_rendezvous_state_is_refused(stranger, tmp_path, cli_env):
     """A well-formed state with a fake node on the wait list made torch's agent restart every
     worker, silently; its MAC is missing, so the launcher refuses it and stops in one line."""
     out = tmp_path / "out"
-    out.mkdir()
     proc, ports = _start_job(out, cli_env)
     try:
-        _wait_ready(out, proc)
         said = _forge(stranger, ports["rendezvous store"], "state")
         assert said.startswith("forged the rendezvous state"), said
         err = proc.communicate(timeout=60)[1]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
+import fcntl
 import shutil
 import stat
 import tempfile
@@ -59,12 +59,15 @@ def private_tmp() -> Iterator[Path]:
     """A fresh temporary directory only this user can enter, made the process's and its
     children's temporary directory (``tempfile.tempdir``, ``TMPDIR``) until it is removed.
 
-    Its name carries this user's uid and this process's pid, so that the next job of the same
-    user removes one that a killed launcher left behind (:func:`sweep_stale`).
+    Its name carries this user's uid, and this process holds a lock on it while it runs, so that
+    the next job of the same user removes one that a killed launcher left behind
+    (:func:`sweep_stale`).
     """
     shared = tempfile.gettempdir()
     sweep_stale(Path(shared))
-    path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.geteuid()}-{os.getpid()}-", dir=shared))
+    path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.geteuid()}-", dir=shared))
+    held = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # not inherited (O_CLOEXEC by default)
+    fcntl.flock(held, fcntl.LOCK_EX)
     saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = str(path)
     os.environ["TMPDIR"] = str(path)
@@ -77,39 +80,33 @@ def private_tmp() -> Iterator[Path]:
         else:
             os.environ["TMPDIR"] = saved_env
         shutil.rmtree(path, ignore_errors=True)
+        os.close(held)
 
 
 def sweep_stale(shared: Path) -> list[Path]:
-    """Remove private temporary directories of this user whose launcher is gone (killed
-    before it could remove them); returns what was removed. Another user's are left alone."""
+    """Remove private temporary directories of this user that no running launcher holds (the
+    lock of a killed one went with it); returns what was removed. Another user's are left alone."""
     removed = []
-    pattern = re.compile(rf"{re.escape(_PREFIX)}{os.geteuid()}-(\d+)-")
     try:
-        entries = list(os.scandir(shared))
+        entries = [e for e in os.scandir(shared) if e.name.startswith(f"{_PREFIX}{os.geteuid()}-")]
     except OSError:
         return removed
     for e in entries:
-        m = pattern.match(e.name)
-        if not m or _pid_alive(int(m.group(1))):
-            continue
         try:
-            st = e.stat(follow_symlinks=False)
+            fd = os.open(e.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-            shutil.rmtree(e.path, ignore_errors=True)
-            removed.append(Path(e.path))
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its launcher runs
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed.append(Path(e.path))
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def open_private(path: str | Path, mode: str = "w", **kw):

@@ -249,8 +249,12 @@ class SupervisedAgent(LocalAgent):
         before = self._members()
         pids = self._launcher_pids()
         if v is None:  # torch restarts a healthy group when a node waits to join
+            resume = _restart_point(self.run_dir)
+            _log_event(self.run_dir, {"attempt": self.restarts + self.flakes, "failed_at": time.time(),
+                                      "summary": "a node is waiting to join", "verdict": "admit",
+                                      "node": self.node, "resume_from": resume})
             _say(f"allhands: a node is waiting to join; node {self.node} restarts its workers to "
-                 f"admit it (not counted as a restart)")
+                 f"admit it from {resume} (not counted as a restart)")
         else:
             if v.verdict == "flake":
                 self.flakes += 1
