@@ -7,6 +7,7 @@ directory, run directories, secret files.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -249,9 +250,12 @@ def test_forged_gloo_connection_records_are_refused(stranger, tmp_path, cli_env)
         (out / "go").touch()
         proc.kill()
     intrusions = [ln for ln in err.splitlines() if "intrusion: refused key '/worker/attempt_0/0//" in ln]
-    assert proc.returncode == 1 and intrusions, err[-3000:]
-    assert "worker store at 127.0.0.1" in intrusions[0] and "no valid MAC" in intrusions[0]
-    assert not list(out.glob("rank*.json")), "a rank computed with a forged peer"
+    assert intrusions and "worker store at 127.0.0.1" in intrusions[0], err[-3000:]
+    assert "no valid MAC" in intrusions[0]
+    results = [json.loads(p.read_text())["sum"] for p in sorted(out.glob("rank*.json"))]
+    # Either the job stopped, or its restart (the forgery is not repeated) computed undisturbed.
+    assert (proc.returncode == 1 and not results) or (proc.returncode == 0 and results == [3.0, 3.0]), \
+        (proc.returncode, results, err[-3000:])
 
 
 @needs_root

@@ -5,16 +5,18 @@ torch's TCPStore takes writes from anyone who reaches it (SECURITY.md). gloo lea
 connect from it (``default_pg/...`` connection records), torch's c10d rendezvous keeps its state
 there, and the agents their rank assignments: a forged record redirects the ranks to a relay or
 restarts the job. :class:`MACStore` is a ``torch.distributed.Store`` in Python around the real
-store: every value is stored as ``HMAC-SHA256(K, key, value) || value`` (``K`` derived from the
-job secret), and every value read is checked first; a value without a valid MAC is refused
-(:class:`IntrusionError`, logged once per key as an intrusion). torch's own wrappers
-(``PrefixStore``) sit on top and are unaware of it.
+store: every value is stored as ``HMAC-SHA256(K, key, nonce, value) || nonce || value`` (``K``
+derived from the job secret, a fresh 16-byte nonce per write), and every value read is checked
+first; a value without a valid MAC is refused (:class:`IntrusionError`, logged once per key as an
+intrusion). torch's own wrappers (``PrefixStore``) sit on top and are unaware of it.
 
-- ``add`` (counters): a compare-and-set loop on MAC'd decimal values, so a counter is as
-  authenticated as any other value and still atomic.
-- ``compare_set``: the expected value is MAC'd the same way (the MAC is deterministic), so it
-  matches exactly what a holder of the secret stored; an empty expected value means "absent",
-  as in TCPStore.
+- ``compare_set``: the stored bytes are read and checked, and swapped only if they still hold
+  the expected value (TCPStore's compare-and-set on those exact bytes); an empty expected value
+  means "absent", as in TCPStore.
+- ``add`` (counters): the same compare-and-set loop on MAC'd decimal values, so a counter is as
+  authenticated as any other value and still atomic. The nonce makes every write's bytes
+  unique, so a swap that succeeded is told apart from one that met an equal value written by
+  another process (a lost increment otherwise).
 - Keys, their existence (``check``, ``wait``, ``num_keys``) and deletion are not authenticated:
   a stranger who reaches the store can delete or add keys, which stalls the job (denial of
   service) but never makes it read a forged value.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import sys
 import threading
 from datetime import timedelta
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from allhands.errors import LaunchError
 
 _MAC = 32
+_NONCE = 16
 # torch's C++ side (PrefixStore, gloo) keeps only the C++ half of a Python store; once its Python
 # half is collected, the C++ trampoline finds no methods ("Not implemented", torch's
 # ``PythonStore`` in torch/csrc/distributed/c10d/init.cpp). So every MACStore lives as long as
@@ -70,20 +74,20 @@ class MACStore(dist.Store):
         _ALIVE.append(self)
 
     # -- the MAC
-    def _tag(self, key: str, value: bytes) -> bytes:
+    def _tag(self, key: str, body: bytes) -> bytes:
         k = key.encode("utf-8")
-        return hmac.new(self._key, len(k).to_bytes(4, "big") + k + value, hashlib.sha256).digest()
+        return hmac.new(self._key, len(k).to_bytes(4, "big") + k + body, hashlib.sha256).digest()
 
     def _seal(self, key: str, value) -> bytes:
-        value = _bytes(value)
-        return self._tag(key, value) + value
+        body = secrets.token_bytes(_NONCE) + _bytes(value)
+        return self._tag(key, body) + body
 
     def _open(self, key: str, sealed) -> bytes:
         sealed = _bytes(sealed)
-        value = sealed[_MAC:]
-        if len(sealed) < _MAC or not hmac.compare_digest(sealed[:_MAC], self._tag(key, value)):
+        body = sealed[_MAC:]
+        if len(sealed) < _MAC + _NONCE or not hmac.compare_digest(sealed[:_MAC], self._tag(key, body)):
             self._intrusion(key)
-        return value
+        return body[_NONCE:]
 
     def _intrusion(self, key: str):
         msg = (f"intrusion: refused key {key!r} in the {self.where}: its value has no valid MAC "
@@ -109,28 +113,38 @@ class MACStore(dist.Store):
     def multi_set(self, keys: list[str], values: list) -> None:
         self.inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])
 
+    def _raw(self, key: str) -> bytes:
+        """The stored bytes of ``key`` (checked), or b"" when it is absent."""
+        if not self.inner.check([key]):
+            return b""
+        raw = _bytes(self.inner.get(key))
+        self._open(key, raw)
+        return raw
+
     def compare_set(self, key: str, expected, desired) -> bytes:
         expected = _bytes(expected)
-        sealed_expected = self._seal(key, expected) if expected else b""
-        return self._open(key, self.inner.compare_set(key, sealed_expected, self._seal(key, desired)))
+        raw = self._raw(key)
+        if expected and (not raw or self._open(key, raw) != expected):
+            return self._open(key, raw) if raw else b""  # no swap, as TCPStore would answer
+        if not expected and raw:
+            return self._open(key, raw)
+        return self._open(key, self.inner.compare_set(key, raw, self._seal(key, desired)))
+
+    def _update(self, key: str, change) -> bytes:
+        """Atomically replace the value of ``key`` by ``change(value)`` (b"" when absent)."""
+        while True:
+            raw = self._raw(key)
+            new = change(self._open(key, raw) if raw else b"")
+            sealed = self._seal(key, new)
+            if _bytes(self.inner.compare_set(key, raw, sealed)) == sealed:
+                return new
+            # another process wrote first: retry from what is there now
 
     def add(self, key: str, amount: int) -> int:
-        current = b""
-        while True:
-            new = str((int(current) if current else 0) + amount).encode()
-            seen = self.compare_set(key, current, new)
-            if seen == new:
-                return int(new)
-            current = seen  # someone else added first: retry from what is there now
+        return int(self._update(key, lambda v: str((int(v) if v else 0) + amount).encode()))
 
     def append(self, key: str, value) -> None:
-        current = b""
-        while True:
-            new = current + _bytes(value)
-            seen = self.compare_set(key, current, new)
-            if seen == new:
-                return
-            current = seen
+        self._update(key, lambda v: v + _bytes(value))
 
     def check(self, keys: list[str]) -> bool:
         return self.inner.check(keys)

@@ -40,7 +40,7 @@ elif what == "state":
 
     key = next(k for k in keys if k.startswith("torch.rendezvous.") and k.count(".") == 2)
     raw = store.get(key)
-    for start in (0, 32):  # as stored, or behind a 32-byte tag the attacker cannot make
+    for start in (0, 32, 48):  # as stored, or behind a tag (and nonce) the attacker cannot make
         try:
             state = pickle.loads(base64.b64decode(raw[start:], validate=True))
             break
