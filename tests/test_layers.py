@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 # Bottom to top. A module is placed by its longest listed prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("config", "configdoc", "env", "faults", "heartbeat", "netlab"),
+    ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore"),
     ("data", "models", "metrics", "report", "admission", "jobcheck", "job", "optim"),
     ("mesh",),
     ("parallel", "sync", "memory"),

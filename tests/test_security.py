@@ -321,7 +321,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 
 # Calls that unpickle what a peer sent (torch's *_object collectives pickle.loads every received
 # buffer) or what a file holds. allhands exchanges fixed-size tensors only; pickle itself is used
-# by security.py's RestrictedUnpickler alone.
+# by checkpoint/safe.py's RestrictedUnpickler alone.
 _PEER_UNPICKLERS = {"all_gather_object", "gather_object", "broadcast_object_list",
                     "scatter_object_list", "recv_object_list", "send_object_list"}
 _PICKLE_CALLS = {"load", "loads", "Unpickler"}
@@ -354,8 +354,8 @@ def _violations(path: Path) -> list[str]:
             if not (isinstance(wo, ast.Constant) and wo.value is True):
                 out.append(f"{where} torch.load without weights_only=True")
         if owner in ("pickle", "cPickle", "dill", "marshal") and name in _PICKLE_CALLS \
-                and path.name != "security.py":
-            out.append(f"{where} {owner}.{name} outside security.py")
+                and path.name != "safe.py":
+            out.append(f"{where} {owner}.{name} outside checkpoint/safe.py")
         if owner in ("np", "numpy") and name == "load":
             ap = kw.get("allow_pickle")
             if isinstance(ap, ast.Constant) and ap.value is True:
@@ -364,7 +364,7 @@ def _violations(path: Path) -> list[str]:
             out.append(f"{where} yaml.{name}")
     for node in ast.walk(tree):  # `from pickle import loads` would dodge the call check above
         if isinstance(node, ast.ImportFrom) and node.module in ("pickle", "dill", "marshal") \
-                and path.name != "security.py":
+                and path.name != "safe.py":
             out.append(f"{path.name}:{node.lineno} imports from {node.module}")
     return out
 
@@ -419,6 +419,19 @@ def _resume_fails_in_one_line(cfg, run_dir: Path) -> str:
     return _one_line(ei.value)
 
 
+def _point_at_payload(ckpt: Path, md, index, canary: Path, payload: Path) -> None:
+    """Append a torch.save'd payload to the item's shard, point the item at it in ``.metadata``
+    and write a matching manifest (as whoever ships a crafted checkpoint would)."""
+    shard = ckpt / md.storage_data[index].relative_path
+    torch.save(Canary(canary), payload)
+    md.storage_data[index].offset = shard.stat().st_size
+    md.storage_data[index].length = payload.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.read_bytes())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    write_manifest(ckpt)
+
+
 def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     """An attacker ships a checkpoint whose manifest matches (they wrote it), so only the
     restricted readers stand between the payload and our process."""
@@ -431,23 +444,45 @@ def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     write_manifest(ckpt)
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert "refused to unpickle" in msg and ".metadata" in msg and not canary.exists()
+    assert "refused (unsafe)" in msg
 
     # 2. A genuine-looking .metadata whose bytes item (the scheduler's last_epoch, a pickled
     #    int) now points at a torch.save'd payload appended to the shard.
     md = pickle.loads(genuine)  # our own file: plain pickle is fine here
     index = next(i for i in md.storage_data if i.fqn == "scheduler.last_epoch")
-    shard = ckpt / md.storage_data[index].relative_path
-    payload = tmp_path / "payload.pt"
-    torch.save(Canary(canary), payload)
-    md.storage_data[index].offset = shard.stat().st_size
-    md.storage_data[index].length = payload.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(payload.read_bytes())
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    write_manifest(ckpt)
+    _point_at_payload(ckpt, md, index, canary, tmp_path / "payload.pt")
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert "'scheduler.last_epoch'" in msg and "crafted" in msg and not canary.exists()
+    assert "refused (unsafe)" in msg
 
     # Control: torch's own reader runs this payload, so the refusal above was not vacuous.
     dcp.load({"scheduler": {"last_epoch": 0}}, checkpoint_id=ckpt, no_dist=True)
     assert canary.exists()
+
+
+def test_a_crafted_tensor_item_is_refused_as_unsafe_on_resume_and_export(token_dir, tmp_path, cli_env):
+    """A tensor item (read by torch itself, with weights_only=True) pointed at a payload: resume
+    and ``allhands export`` each refuse it in one line naming the item, never as "damaged" and
+    never with torch's advice to pass weights_only=False."""
+    import subprocess
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from conftest import ALLHANDS, ROOT
+
+    run_dir, canary = tmp_path / "run", tmp_path / "canary"
+    cfg, ckpt = _trained_run(token_dir, run_dir)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: plain pickle is fine
+    index = next(i for i in md.storage_data if i.fqn.startswith("model.")
+                 and isinstance(md.state_dict_metadata[i.fqn], TensorStorageMetadata))
+    _point_at_payload(ckpt, md, index, canary, tmp_path / "payload.pt")
+    msg = _resume_fails_in_one_line(cfg, run_dir)
+    assert f"checkpoint item {index.fqn!r}" in msg and "refused (unsafe)" in msg, msg
+    assert "damaged" not in msg and "weights_only=False" not in msg and not canary.exists()
+
+    r = subprocess.run([*ALLHANDS, "export", str(run_dir), "--out", str(tmp_path / "w.safetensors")],
+                       env=cli_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("allhands:")]
+    assert len(lines) == 1 and "refused (unsafe)" in lines[0] and index.fqn in lines[0], r.stderr
+    assert "weights_only=False" not in r.stderr and not canary.exists()

@@ -29,7 +29,6 @@ import socket
 import struct
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -37,6 +36,8 @@ import torch.distributed as dist
 
 from allhands.env import INSECURE_ENV, SECRET_ENV, SECRET_FILE_ENV, worker_admission_env
 from allhands.errors import ConfigError, LaunchError
+from allhands.safefs import read_owned_secret
+
 MIN_SECRET_CHARS = 16
 
 _TAG = b"allhands-admission-v1"
@@ -80,16 +81,13 @@ def job_secret(*, multi_node: bool, secret_file: str, insecure: bool,
 
 
 def _read_secret_file(path: str, source: str) -> str:
-    p = Path(path)
     try:
-        mode = p.stat().st_mode
-        if mode & 0o004:
-            raise ConfigError(f"{source}: {path} is readable by every user (mode "
-                              f"{mode & 0o777:o}); run `chmod 600 {path}` and start again")
-        text = p.read_text(encoding="utf-8")
+        text = read_owned_secret(path)
     except FileNotFoundError:
         raise ConfigError(f"{source}: {path} does not exist; pass a file holding the job "
                           f"secret") from None
+    except PermissionError as e:  # another user's file, or one others may read or write
+        raise ConfigError(f"{source}: {e.args[0] if e.args and not e.filename else e.strerror}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{source}: cannot read {path} ({getattr(e, 'strerror', None) or e}); "
                           f"pass a readable UTF-8 file holding the job secret") from None

@@ -48,3 +48,13 @@ def worker_admission_env() -> tuple[str | None, bool, tuple[str, int] | None]:
     master = (e["MASTER_ADDR"], int(e["MASTER_PORT"])) if e.get("MASTER_PORT", "").isdigit() \
         and e.get("MASTER_ADDR") else None
     return e.get(SECRET_ENV) or None, e.get(INSECURE_ENV) == "1", master
+
+
+def worker_store_env() -> tuple[str, int, bool, int]:
+    """Where torch's launcher put the worker store (MASTER_ADDR, MASTER_PORT), whether the agent
+    hosts it (TORCHELASTIC_USE_AGENT_STORE) and the agent's restart count, which names the
+    keys of this attempt (as torch's ``env://`` rendezvous reads them)."""
+    e = os.environ
+    return (e["MASTER_ADDR"], int(e["MASTER_PORT"]),
+            e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            int(e.get("TORCHELASTIC_RESTART_COUNT", 0)))

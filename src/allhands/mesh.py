@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from allhands.admission import admit_peers
 from allhands.config import MESH_DIMS, ParallelConfig, mesh_sizes
-from allhands.env import worker_env
+from allhands.authstore import sealed
+from allhands.env import worker_admission_env, worker_env, worker_store_env
 from allhands.errors import ConfigError
 
 
@@ -71,8 +72,8 @@ class Mesh:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                         timeout=timeout)
             else:
-                dist.init_process_group(backend, init_method="env://", rank=rank,
-                                        world_size=world_size, timeout=timeout)
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                        **_worker_store(rank, world_size, timeout))
                 admit_peers(dev)  # before any collective: every peer proves the job secret
                 admit = True
         dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
@@ -160,3 +161,23 @@ class Mesh:
 
 def _has_rendezvous_env() -> bool:
     return worker_env().launched
+
+
+def _worker_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """How the default process group meets its peers: torch's ``env://`` store, behind a
+    :class:`~allhands.authstore.MACStore` under the job secret, so that gloo's connection
+    records (and every other value) are the job's own; plain ``env://`` with --insecure.
+
+    The same client torch's ``env://`` rendezvous builds (``_create_c10d_store``): a TCPStore
+    client of the agent's store with the keys of this attempt under ``/worker/attempt_N``, or,
+    without the agent's store, one hosted by rank 0."""
+    secret, _, _ = worker_admission_env()
+    if not secret:
+        return {"init_method": "env://"}
+    addr, port, agent_store, attempt = worker_store_env()
+    where = f"worker store at {addr}:{port}"
+    if agent_store:
+        tcp = dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+        return {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", sealed(tcp, secret, where))}
+    tcp = dist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
+    return {"store": sealed(tcp, secret, where)}

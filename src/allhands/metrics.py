@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from allhands.safefs import open_private
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0,
@@ -24,7 +26,7 @@ class MetricsWriter:
         self._file = self._bar = self._tb = None
         if not enabled:
             return
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._file = open_private(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -35,6 +35,7 @@ from allhands.checkpoint.manifest import verify_manifest, write_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
 from allhands.checkpoint.writer import DeferredStager, Writer, save_planner
 from allhands.errors import CheckpointError, first_line
+from allhands.safefs import write_private
 
 
 def _fsync_file(path: Path) -> None:
@@ -223,8 +224,8 @@ class Checkpointer:
 
     def _commit(self, step: int, tmp: Path, final: Path,
                 digests: dict[str, tuple[int, str]] | None = None) -> None:
-        (tmp / META_NAME).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **self.meta},
-                                                indent=1) + "\n")
+        write_private(tmp / META_NAME, json.dumps({"format": FORMAT_VERSION, "step": step, **self.meta},
+                                                  indent=1) + "\n")
         # DCP fsynced its data files and .metadata (sync_files=True); write_manifest fsyncs the
         # manifest and the directory, so only allhands.json is left.
         _fsync_file(tmp / META_NAME)

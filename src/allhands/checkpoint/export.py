@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from allhands.checkpoint.catalog import committed
 from allhands.checkpoint.manifest import verify_manifest
-from allhands.checkpoint.safe import SafeFileSystemReader
+from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
 from allhands.errors import CheckpointError, ConfigError, cannot_write
 
 # ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
@@ -42,8 +42,14 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     if not sd:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors; it was not written "
                               f"by `allhands train`")
-    dcp.load({"model": {"model": sd}}, storage_reader=SafeFileSystemReader(path),
-             no_dist=not dist.is_initialized())
+    reader = SafeFileSystemReader(path)
+    try:
+        dcp.load({"model": {"model": sd}}, storage_reader=reader, no_dist=not dist.is_initialized())
+    except BaseException as e:  # DCP's CheckpointException, wrapping a refused item, is one
+        refused = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else checkpoint_error_from(e, reader)
+        if refused is None:
+            raise
+        raise refused from None
     return sd
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from allhands.errors import CheckpointError, first_line
+from allhands.safefs import open_private
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -84,7 +85,7 @@ def write_manifest(ckpt_dir: str | os.PathLike,
     final = root / MANIFEST_NAME
     tmp = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open_private(tmp, "w", encoding="utf-8") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())

@@ -81,8 +81,9 @@ class RestrictedUnpickler(pickle.Unpickler):
         found = _allowed(module, name)
         if found is None:
             raise CheckpointError(
-                f"refused to unpickle {module}.{name} from {self.source}: DCP never writes it, so "
-                f"the checkpoint may be crafted; it was not loaded (use one written by dcp.save)")
+                f"{self.source}: refused (unsafe): refused to unpickle {module}.{name}, which DCP "
+                f"never writes, so the checkpoint may be crafted; it was not loaded (use one "
+                f"written by dcp.save)")
         return found
 
 
@@ -125,8 +126,9 @@ def _check_storage(metadata: Metadata, source: str) -> None:
                 and ".." not in re.split(r"[\\/]", rel)
                 and type(info.offset) is int and type(info.length) is int
                 and info.offset >= 0 and info.length >= 0):
-            raise CheckpointError(f"{source} points at data {rel!r} outside the checkpoint or at a "
-                                  f"bad offset; the checkpoint may be crafted and was not loaded")
+            raise CheckpointError(f"{source}: refused (unsafe): it points at data {rel!r} outside "
+                                  f"the checkpoint or at a bad offset; the checkpoint may be "
+                                  f"crafted and was not loaded")
 
 
 def verify_metadata(ckpt_dir: str | os.PathLike) -> None:
@@ -176,7 +178,41 @@ class SafeFileSystemReader(FileSystemReader):
         self.refusal = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return super().read_data(plan, _WeightsOnlyBytes(planner, self))
+        # Tensor items torch reads itself with torch.load(weights_only=True): a crafted one fails
+        # there with torch's advice to pass weights_only=False. The item being read is noted on
+        # its way through the load-stream transforms, so its refusal can name it instead.
+        self.transforms = _NoteItem(self.transforms, self)
+        try:
+            return super().read_data(plan, _WeightsOnlyBytes(planner, self))
+        except pickle.UnpicklingError as e:
+            req = self._reading
+            fqn = req.storage_index.fqn if req is not None else "?"
+            info = self.storage_data.get(req.storage_index) if req is not None else None
+            source = os.path.join(str(self.path), info.relative_path if info else "?")
+            raise _unsafe_item(fqn, source, e) from None
+        finally:
+            self.transforms = self.transforms._inner
+
+    _reading: ReadItem | None = None
+
+
+class _NoteItem:
+    """DCP's load-stream transforms, noting which item is being read (for its refusal)."""
+
+    def __init__(self, inner: Any, reader: SafeFileSystemReader):
+        self._inner, self._reader = inner, reader
+
+    def transform_load_stream(self, req: ReadItem, *args: Any, **kwargs: Any):
+        self._reader._reading = req
+        return self._inner.transform_load_stream(req, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _unsafe_item(fqn: str, source: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint item {fqn!r} in {source}: refused (unsafe): {_refusal(e)}; "
+                           f"the checkpoint may be crafted and was not loaded")
 
 
 class _WeightsOnlyBytes:
@@ -195,8 +231,7 @@ class _WeightsOnlyBytes:
         try:
             torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            raise CheckpointError(f"refused non-tensor item {fqn!r} in {source}: {_refusal(e)}; "
-                                  f"the checkpoint may be crafted and was not loaded") from None
+            raise _unsafe_item(fqn, source, e) from None
         except Exception as e:
             raise CheckpointError(f"cannot read non-tensor item {fqn!r} in {source} "
                                   f"({first_line(e)}); the checkpoint is damaged") from e

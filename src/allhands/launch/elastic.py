@@ -229,8 +229,7 @@ class SupervisedAgent(LocalAgent):
         before = self._members()
         pids = self._launcher_pids()
         if d is None:  # torch restarts a healthy group when a node waits to join
-            say(f"allhands: a node is waiting to join; node {self.node} restarts its workers to "
-                f"admit it (not counted as a restart)")
+            self.job.admit()
         else:
             self.job.backoff(d)
         if self.hb:

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from allhands import admission
+from allhands import admission, safefs
 from allhands.config import Config, validate
 from allhands.errors import ConfigError, LaunchError
 from allhands.launch import rendezvous
@@ -183,7 +183,11 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
                      run_dir=run_dir, timeouts=timeouts)
 
     # Multi-node: torch's agent restarts (it re-rendezvouses every node); single node: we do.
-    supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
+    # Every temporary file of the launcher, torch's spawner (the pickled traceback of a failed
+    # worker it reads back) and the workers goes to a directory only this user can enter, and
+    # everything the job writes is the user's alone (safefs.py).
+    with safefs.private_tmp(), safefs.private_umask():
+        supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
 
 
 def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
@@ -218,6 +222,7 @@ def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
                                 local_addr=spec.local_addr, bind=spec.bind, port=spec.port,
                                 external_store=spec.rdzv_store == "external",
                                 **({"timeouts": timeouts} if timeouts else {}))
+    listeners.secret = secret  # the rendezvous store's values are MAC'd under it
     env = admission.worker_environment(secret)
     # If set, torch's rank-0 *worker* hosts a second store of its own, on all interfaces.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None

@@ -110,6 +110,9 @@ class Listeners:
     notes: list[str] = field(default_factory=list)
     external: bool = False
     """The rendezvous store is an ``allhands rendezvous-store`` process, not node 0's agent."""
+    secret: str | None = field(default=None, repr=False)
+    """The job secret: every value of the rendezvous store carries a MAC under it (authstore.py);
+    None with --insecure."""
 
     def describe(self) -> str:
         """One line for stderr: every listener this node opens, and where."""

@@ -32,7 +32,8 @@ from allhands.checkpoint import committed
 from allhands.errors import LaunchError
 
 # Worker failures whose cause repeats on every restart: restarting would only burn the budget.
-FATAL_CAUSES = ("ConfigError:", "CheckpointError:", "DataError:", "NonFiniteError:")
+FATAL_CAUSES = ("ConfigError:", "CheckpointError:", "DataError:", "NonFiniteError:",
+                "IntrusionError:")  # a forged store record repeats on every restart
 # Start-up failures of a fresh rendezvous that a second try clears: with torch 2.13 a restart
 # failed once in connectFullMesh and the next try worked.
 TRANSIENT_CAUSES = ("connectFullMesh", "Connection refused", "RendezvousTimeoutError")
@@ -82,7 +83,7 @@ class RestartPolicy:
 class Decision:
     """What :meth:`JobRestarts.decide` made of one failed attempt."""
 
-    verdict: str  # restart | flake | fatal | give_up
+    verdict: str  # restart | flake | fatal | give_up | admit (a node joins; not a failure)
     summary: str  # the failure in one line, the watchdog's hang reports first
     attempt: int  # which attempt of this job failed, from 0
     failed_at: float
@@ -152,6 +153,16 @@ class JobRestarts:
         return (f"{d.summary}; gave up after {self.restarts} restart(s) "
                 f"(fault.max_restarts={self.policy.max_restarts}); the last committed "
                 f"checkpoint is intact, continue {again}")
+
+    def admit(self) -> None:
+        """A node waits to join, so torch restarts every worker to admit it: not a failure and
+        not counted, but a membership change, so it is recorded and said like one (a forged
+        rendezvous state must never restart workers silently)."""
+        d = Decision("admit", "a node is waiting to join", self.attempts, self.clock())
+        resume = self.resume_from()
+        self.record(d, resume_from=resume)
+        self.say(f"allhands: a node is waiting to join; node {self.node} restarts its workers to "
+                 f"admit it from {resume} (not counted as a restart)")
 
     def resume_from(self) -> str:
         """Where the next attempt starts, in words (``allhands drill`` reads the step back)."""

@@ -52,6 +52,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from allhands.authstore import sealed
 from allhands.errors import LaunchError
 from allhands.launch.listeners import (_LOCK, _PLANS, BACKEND, Listeners, Timeouts, _dialable,
                                       _hostport, bind_socket, is_wildcard, resolve)
@@ -281,7 +282,10 @@ def create_handler(params):
     if listeners is None:
         raise LaunchError(f"no listeners were bound for run {params.run_id}; start jobs with "
                           f"allhands.launch.launch")
-    store = _rendezvous_store(params, listeners)
+    # Every value torch's rendezvous and agents read from the store (the pickled state, the
+    # worker store's address, the rank assignments) carries a MAC under the job secret.
+    store = sealed(_rendezvous_store(params, listeners), listeners.secret,
+                   f"rendezvous store at {params.endpoint}")
     backend = CheckedBackend(C10dRendezvousBackend(store, params.run_id), params.endpoint)
 
     def seconds(key: str) -> timedelta | None:

@@ -15,6 +15,7 @@ from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
 from allhands.errors import AllhandsError, ConfigError, cannot_write
 from allhands.jobcheck import check_token_data
+from allhands.safefs import owner_problem, write_private
 
 
 def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
@@ -51,6 +52,7 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
     if not cfg.data.path:
         cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
     check_token_data(cfg.data.path, cfg.model.seq_len, cfg.run.global_batch)
+    check_run_dir(run_dir)
     if write:
         _write(run_dir, to_toml(cfg))
     return cfg
@@ -60,8 +62,8 @@ def _write(run_dir: Path, resolved: str) -> None:
     """Create ``run_dir`` with its config.resolved.toml, or say in one line why it cannot be."""
     created = not run_dir.exists()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.resolved.toml").write_text(resolved)
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(run_dir / "config.resolved.toml", resolved)
     except OSError as e:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -88,6 +90,18 @@ def removed_if_unstarted(run_dir: Path, created: bool):
         if created and not stepped and not committed(run_dir / "checkpoints"):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """An existing run directory must be this user's and writable by no one else: another user
+    could otherwise read the job's data or plant symlinks that redirect its writes."""
+    try:
+        st = run_dir.stat()
+    except FileNotFoundError:
+        return
+    problem = owner_problem(st, "run.dir:", run_dir)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _same_job(run_dir: Path, cfg: Config) -> bool:

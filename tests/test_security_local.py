@@ -1,0 +1,277 @@
+"""The user next door: another unprivileged user on the same host attacks a job run by this one.
+
+The attacker runs as a user made for the test (``useradd``, removed afterwards; ``setuid`` in the child) with the system
+Python; these tests need root for that and are skipped otherwise. Files: the shared temporary
+directory, run directories, secret files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import re
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from allhands import safefs
+from allhands.admission import job_secret
+from allhands.errors import ConfigError
+from allhands.launch.rundir import resolve_run
+
+from conftest import ALLHANDS, ROOT, tiny_config
+
+ROOTLESS = os.geteuid() != 0 or shutil.which("useradd") is None
+needs_root = pytest.mark.skipif(ROOTLESS, reason="needs root (to create the attacking user) and "
+                                                 "useradd")
+SYSTEM_PYTHON = shutil.which("python3.11", path="/usr/bin:/bin") or "/usr/bin/python3"
+
+
+@pytest.fixture(scope="module")
+def stranger():
+    """An unprivileged user that is not the job's: ``(name, uid, gid)``."""
+    if ROOTLESS:
+        pytest.skip("needs root")
+    name = f"ahx{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "-M", "-r", "-s", "/usr/sbin/nologin", name], check=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield name, pw.pw_uid, pw.pw_gid
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+def as_user(user: tuple[str, int, int], args: list[str], **kw) -> subprocess.Popen:
+    """Run ``args`` as ``user`` (a direct child, so that killing it kills the attacker)."""
+    _, uid, gid = user
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/", **kw.pop("env", {})}
+    return subprocess.Popen(args, cwd="/", text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=drop, env=env, **kw)
+
+
+# --------------------------------------------------------------------------- temporary files
+
+
+@needs_root
+def test_a_payload_planted_in_the_shared_temp_directory_never_runs(stranger, tmp_path, cli_env):
+    """The attacker watches the shared temporary directory with inotify and re-creates each of
+    torch's worker error files (created, unlinked, later unpickled if the worker failed) with a
+    pickle whose load runs a command. A job whose workers fail must never load it: its
+    temporary files are in a directory of its own, which the attacker never sees."""
+    # A shared directory of the test's own (sticky, writable by all, as /tmp): an attacker in the
+    # real /tmp would also plant payloads for every other job on the machine.
+    shared = Path(tempfile.mkdtemp(prefix="ahx-shared-", dir="/tmp"))
+    shared.chmod(0o1777)
+    marker = tmp_path / "payload-ran"
+    watcher = as_user(stranger, [SYSTEM_PYTHON, str(ROOT / "tests/scripts/tmp_watcher.py"),
+                                    str(shared), str(marker)])
+    try:
+        assert watcher.stdout.readline().strip() == "watching", watcher.stderr.read()
+        # Workers that fail (exit code 3) make torch's spawner read their error files.
+        job = ("import sys; from allhands.launch.launcher import LaunchSpec, launch; "
+               "launch(sys.exit, (3,), LaunchSpec(nproc=2))")
+        run = subprocess.Popen([sys.executable, "-c", job], env={**cli_env, "TMPDIR": str(shared)},
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        err = run.communicate(timeout=180)[1]
+        time.sleep(0.5)
+    finally:
+        watcher.kill()
+        shutil.rmtree(shared, ignore_errors=True)
+    seen = watcher.communicate()[0]
+    assert run.returncode == 1 and "exited with code 3" in err, err[-3000:]
+    assert not marker.exists(), "the planted pickle was loaded"
+    assert "saw" not in seen, f"the job's temporary files were in the shared directory: {seen}"
+    assert f"allhands-{os.geteuid()}-{run.pid}-" not in seen, "its private directory was left"
+
+
+def test_private_tmp_is_private_and_removed_and_stale_ones_are_swept(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / f"allhands-{os.geteuid()}-killed"  # a killed launcher's: nobody holds it
+    stale.mkdir()
+    (stale / "attempt-0").mkdir()
+    alive = tmp_path / f"allhands-{os.geteuid()}-running"  # a running launcher's
+    alive.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; "
+                               f"fd = os.open({str(alive)!r}, os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with safefs.private_tmp() as private:
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert tempfile.gettempdir() == str(private) == os.environ["TMPDIR"]
+        assert not stale.exists() and alive.exists()
+        assert safefs.sweep_stale(tmp_path) == []  # this job's own directory is held too
+    holder.communicate("")
+    assert not private.exists() and tempfile.gettempdir() == str(tmp_path)
+
+
+# --------------------------------------------------------------------------- run directories
+
+
+def test_run_directory_and_files_are_the_users_alone(token_dir, tmp_path):
+    cfg = resolve_run(tiny_config(token_dir, tmp_path / "run"), resume=None, world_size=1)
+    run = Path(cfg.run.dir)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run / "config.resolved.toml").stat().st_mode) == 0o600
+    with safefs.private_umask():
+        (run / "sub").mkdir()
+    assert stat.S_IMODE((run / "sub").stat().st_mode) == 0o700
+
+
+def test_a_symlinked_run_directory_file_is_not_followed(token_dir, tmp_path):
+    """``config.resolved.toml`` linked to a file the job may write: the write fails, the file
+    it points at is untouched."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (run / "config.resolved.toml").symlink_to(victim)
+    with pytest.raises(OSError):
+        resolve_run(tiny_config(token_dir, run), resume=None, world_size=1)
+    assert victim.read_text() == "precious\n"
+    (run / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        safefs.open_private(run / "metrics.jsonl", "a")
+    assert victim.read_text() == "precious\n"
+
+
+@needs_root
+def test_a_run_directory_of_another_user_is_refused_in_one_line(stranger, token_dir, tmp_path):
+    run = tmp_path / "theirs"
+    run.mkdir(mode=0o755)
+    os.chown(run, stranger[1], stranger[2])
+    with pytest.raises(ConfigError, match=r"^run\.dir: .* belongs to uid \d+, not to this user") as e:
+        resolve_run(tiny_config(token_dir, run), resume=None, world_size=1)
+    assert "\n" not in str(e.value)
+    assert not (run / "config.resolved.toml").exists()
+
+
+def test_a_run_directory_others_may_write_is_refused(token_dir, tmp_path):
+    run = tmp_path / "open"
+    run.mkdir()
+    run.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"^run\.dir: .* is writable by other users \(mode 777\)"):
+        resolve_run(tiny_config(token_dir, run), resume=None, world_size=1)
+
+
+# --------------------------------------------------------------------------- secret files
+
+
+@needs_root
+def test_a_secret_file_of_another_user_is_refused(stranger, tmp_path):
+    path = tmp_path / "job.secret"
+    path.write_text("x" * 32)
+    path.chmod(0o600)
+    os.chown(path, stranger[1], stranger[2])
+    with pytest.raises(ConfigError, match=r"^--secret-file: .* belongs to uid \d+, not to this user"):
+        job_secret(multi_node=True, secret_file=str(path), insecure=False, env={})
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620])
+def test_a_secret_file_others_may_read_or_write_is_refused(tmp_path, mode):
+    path = tmp_path / "job.secret"
+    path.write_text("x" * 32)
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=rf"^ALLHANDS_SECRET_FILE: .* \(mode {mode:o}\); run `chmod 600"):
+        job_secret(multi_node=True, secret_file="", insecure=False,
+                   env={"ALLHANDS_SECRET_FILE": str(path)})
+    path.chmod(0o600)
+    assert job_secret(multi_node=True, secret_file=str(path), insecure=False, env={}) == "x" * 32
+
+
+# --------------------------------------------------------------------------- the stores
+
+SITE = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"), None)
+
+
+def _start_job(out: Path, cli_env: dict) -> tuple[subprocess.Popen, dict[str, int]]:
+    """``allhands launch`` of tests/scripts/store_job.py, once its workers were admitted and
+    wait; returns it and the ports its line names (``{"rendezvous store": port, ...}``)."""
+    out.mkdir()
+    proc = subprocess.Popen([*ALLHANDS, "launch", "--nproc", "2", "tests/scripts/store_job.py",
+                             str(out)], env=cli_env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("allhands: listening on"):
+            ports = {what: int(port) for port, what in
+                     re.findall(r"127\.0\.0\.1:(\d+) \((rendezvous store|worker store)", line)}
+            _wait_ready(out, proc)
+            return proc, ports
+    raise AssertionError("".join(lines)[-3000:])
+
+
+def _forge(stranger, port: int, what: str) -> str:
+    attacker = as_user(stranger, [SYSTEM_PYTHON, str(ROOT / "tests/scripts/store_forger.py"),
+                                  "127.0.0.1", str(port), what],
+                       env={"PYTHONPATH": str(SITE)})
+    out, err = attacker.communicate(timeout=60)
+    assert attacker.returncode == 0, err[-3000:]
+    return out
+
+
+def _wait_ready(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((out / f"ready{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+@needs_root
+def test_forged_gloo_connection_records_are_refused(stranger, tmp_path, cli_env):
+    """The relay attack's first step: overwrite (here: plant, before gloo writes them) the
+    connection records of a process group with another address. Every record read carries a
+    MAC under the job secret, so the forged ones are refused and named, and no rank computes
+    with a peer it did not verify."""
+    out = tmp_path / "out"
+    proc, ports = _start_job(out, cli_env)
+    try:
+        said = _forge(stranger, ports["worker store"], "gloo")
+        assert said.startswith("forged"), said
+        (out / "go").touch()
+        err = proc.communicate(timeout=180)[1]
+    finally:
+        (out / "go").touch()
+        proc.kill()
+    intrusions = [ln for ln in err.splitlines() if "intrusion: refused key '/worker/attempt_0/0//" in ln]
+    assert intrusions and "worker store at 127.0.0.1" in intrusions[0], err[-3000:]
+    assert "no valid MAC" in intrusions[0]
+    results = [json.loads(p.read_text())["sum"] for p in sorted(out.glob("rank*.json"))]
+    # Either the job stopped, or its restart (the forgery is not repeated) computed undisturbed.
+    assert (proc.returncode == 1 and not results) or (proc.returncode == 0 and results == [3.0, 3.0]), \
+        (proc.returncode, results, err[-3000:])
+
+
+@needs_root
+def test_a_forged_rendezvous_state_is_refused(stranger, tmp_path, cli_env):
+    """A well-formed state with a fake node on the wait list made torch's agent restart every
+    worker, silently; its MAC is missing, so the launcher refuses it and stops in one line."""
+    out = tmp_path / "out"
+    proc, ports = _start_job(out, cli_env)
+    try:
+        said = _forge(stranger, ports["rendezvous store"], "state")
+        assert said.startswith("forged the rendezvous state"), said
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        (out / "go").touch()
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"allhands: intrusion: refused key 'torch\.rendezvous\.\w+' in the rendezvous "
+                     r"store at 127\.0\.0\.1:\d+: its value has no valid MAC", err), err[-3000:]
+    assert "waiting to join" not in err and "Traceback" not in err
