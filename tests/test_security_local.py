@@ -141,7 +141,7 @@ def test_a_symlinked_run_directory_file_is_not_followed(token_dir, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     (run / "config.resolved.toml").symlink_to(victim)
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match=r"^run\.dir: cannot write .*symbolic links"):
         resolve_run(tiny_config(token_dir, run), resume=None, world_size=1)
     assert victim.read_text() == "precious\n"
     (run / "metrics.jsonl").symlink_to(victim)
