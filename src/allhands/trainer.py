@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
                                  check_compatible, load_weights, seed_rank)
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
-from allhands.data import GlobalSampler, load_token_splits
+from allhands.data import GlobalSampler, load_training_data
 from allhands.data.sampler import collate
-from allhands.errors import CheckpointError, ConfigError
+from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.env import gloo_interface, worker_env
 from allhands.heartbeat import Heartbeat
@@ -72,11 +72,7 @@ def build_data(cfg: Config, job: Job):
         out = job.data(cfg)
         train, val = out if isinstance(out, tuple) else (out, None)
         return train, val, None
-    train, val, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
-    if cfg.model.vocab_size and cfg.model.vocab_size < meta["vocab_size"]:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
-                          f"vocabulary {meta['vocab_size']}; use 0 to take it from the data")
-    return train, val, meta["vocab_size"]
+    return load_training_data(cfg)  # data.path or data.mix
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.optim.Optimizer:
