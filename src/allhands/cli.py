@@ -166,11 +166,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from allhands.checkpoint.export import export_weights
+    from allhands.checkpoint.export import export_hf, export_weights
+    from allhands.errors import DataError
 
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"export: {args.run_dir!r} is not a directory; pass a run directory")
-    out = export_weights(args.run_dir, args.out, step=args.step)
+    if args.format == "safetensors":
+        out = export_weights(args.run_dir, args.out, step=args.step)
+    else:
+        try:
+            out, note = export_hf(args.run_dir, args.out, step=args.step)
+        except DataError as e:  # the tokenizers library is missing
+            raise ConfigError(str(e)) from None
+        if note:
+            print(f"allhands: {note}", file=sys.stderr)
     print(f"allhands: wrote {out}")
     return 0
 
@@ -236,10 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_prepare)
 
-    e = sub.add_parser("export", help="write a run's weights as one .safetensors file "
-                                      "(start a run from it with checkpoint.init_from)")
+    e = sub.add_parser("export", help="write a run's weights as one .safetensors file or a "
+                                      "transformers GPT-2 directory (start a run from either "
+                                      "with checkpoint.init_from)")
     e.add_argument("run_dir")
-    e.add_argument("--out", required=True, help="output .safetensors file")
+    e.add_argument("--out", required=True, help="output .safetensors file, or directory with "
+                                                "--format hf")
+    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors (allhands' names) or hf: config.json, model.safetensors and "
+                        "the tokenizer, for GPT2LMHeadModel.from_pretrained")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     e.set_defaults(fn=cmd_export)
 
