@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from allhands.checkpoint import committed, load_weights
-from allhands.data import GlobalSampler, load_token_splits
+from allhands.data import GlobalSampler, load_training_data
 from allhands.data.sampler import collate
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.job import build_reference_model, lm_loss
@@ -21,9 +21,9 @@ from conftest import tiny_config
 
 def reference_params(cfg) -> dict[str, torch.Tensor]:
     """Plain single-process torch: one forward/backward over each whole global batch."""
-    train, _, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    train, _, vocab = load_training_data(cfg)  # data.path or data.mix
     torch.manual_seed(cfg.run.seed)
-    model = build_reference_model(cfg, meta["vocab_size"])
+    model = build_reference_model(cfg, vocab)
     opt = build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     sampler = GlobalSampler(len(train), cfg.run.global_batch, cfg.data.seed)
@@ -39,8 +39,7 @@ def reference_params(cfg) -> dict[str, torch.Tensor]:
 
 def trained_params(cfg) -> dict[str, torch.Tensor]:
     _, path = committed(Path(cfg.run.dir) / "checkpoints")[-1]
-    _, _, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
-    model = build_reference_model(cfg, meta["vocab_size"])
+    model = build_reference_model(cfg, load_training_data(cfg)[2])
     return load_weights(model, path).state_dict()
 
 

@@ -11,8 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allhands.config import Config
-from allhands.data import load_token_splits
-from allhands.errors import ConfigError
+from allhands.data import load_training_data
 from allhands.models import GPT, GPTConfig
 
 ModelFn = Callable[[Config], nn.Module]
@@ -48,8 +47,4 @@ def build_data(cfg: Config, job: Job):
         out = job.data(cfg)
         train, val = out if isinstance(out, tuple) else (out, None)
         return train, val, None
-    train, val, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
-    if cfg.model.vocab_size and cfg.model.vocab_size < meta["vocab_size"]:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
-                          f"vocabulary {meta['vocab_size']}; use 0 to take it from the data")
-    return train, val, meta["vocab_size"]
+    return load_training_data(cfg)  # data.path or data.mix

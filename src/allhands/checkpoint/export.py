@@ -1,6 +1,7 @@
-"""Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``,
-``checkpoint.init_from`` and :func:`load_weights`, the one way to put saved weights (a
-.safetensors file or a committed checkpoint directory) into a plain module.
+"""Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``
+(or ``--format hf``: a transformers GPT-2 directory, hf.py), ``checkpoint.init_from`` and
+:func:`load_weights`, the one way to put saved weights (a .safetensors file, a transformers
+directory or a committed checkpoint directory) into a plain module.
 
 Export needs neither processes nor the model's code: the checkpoint's DCP metadata lists every
 model tensor with its global shape and dtype, so empty tensors of those shapes are allocated and
@@ -11,6 +12,7 @@ parameter names, the format ``nn.Module.load_state_dict`` and Hugging Face tools
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -24,8 +26,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from allhands.checkpoint.catalog import committed
+from allhands.checkpoint.hf import is_gpt2_dir, read_gpt2, write_gpt2
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
+from allhands.config import load_config, parse_mix
+from allhands.data.tokenizer import EOT, byte_tokenizer_json
 from allhands.errors import CheckpointError, ConfigError, cannot_write
 
 # ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
@@ -53,12 +58,8 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None) -> Path:
-    """Write the model weights of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out``, a
-    .safetensors file: any other suffix is refused, since the file would not be what it says."""
-    if Path(out).suffix != ".safetensors":
-        raise ConfigError(f"--out: {str(out)!r} does not end in .safetensors, the format export "
-                          f"writes; name it e.g. {Path(out).stem or 'model'}.safetensors")
+def _saved(run_dir: str | os.PathLike, step: int | None) -> tuple[int, Path]:
+    """(step, directory) of ``run_dir``'s latest committed checkpoint, or of ``step``'s."""
     found = committed(Path(run_dir) / "checkpoints")
     if not found:
         raise ConfigError(f"export: {str(run_dir)!r} has no committed checkpoint; pass a run "
@@ -67,7 +68,16 @@ def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int
         found = [(s, p) for s, p in found if s == step]
         if not found:
             raise ConfigError(f"--step: {str(run_dir)!r} has no committed checkpoint at step {step}")
-    saved_step, path = found[-1]
+    return found[-1]
+
+
+def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None) -> Path:
+    """Write the model weights of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out``, a
+    .safetensors file: any other suffix is refused, since the file would not be what it says."""
+    if Path(out).suffix != ".safetensors":
+        raise ConfigError(f"--out: {str(out)!r} does not end in .safetensors, the format export "
+                          f"writes; name it e.g. {Path(out).stem or 'model'}.safetensors")
+    saved_step, path = _saved(run_dir, step)
     sd = checkpoint_weights(path)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -84,11 +94,46 @@ def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int
     return out
 
 
+def _run_tokenizer(cfg) -> tuple[tuple[str, str, int] | None, str]:
+    """(tokenizer.json text, end-of-document token, id) of the data a run trained on, or None
+    and why not."""
+    data = parse_mix(cfg.data.mix)[0][0] if cfg.data.mix else cfg.data.path
+    try:
+        meta = json.loads((Path(data) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None, f"no tokenizer written: the run's data {data!r} is gone"
+    if meta.get("tokenizer") == "byte":
+        return (byte_tokenizer_json(), EOT, meta.get("eot", 256)), ""
+    return ((Path(data) / meta["tokenizer_file"]).read_text(), meta["eot_token"], meta["eot"]), ""
+
+
+def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike,
+              step: int | None = None) -> tuple[Path, str]:
+    """Write ``run_dir``'s reference GPT as a transformers GPT-2 directory ``out`` with the
+    tokenizer it was trained with; returns (out, a note when the tokenizer could not be found)."""
+    resolved = Path(run_dir) / "config.resolved.toml"
+    if not resolved.is_file():
+        raise ConfigError(f"export: {str(run_dir)!r} has no config.resolved.toml; pass a run "
+                          f"directory made by `allhands train`")
+    cfg = load_config(resolved)
+    saved_step, path = _saved(run_dir, step)
+    tokenizer, note = _run_tokenizer(cfg)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {str(out)!r} is a file; --format hf writes a directory")
+    write_gpt2(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer)
+    return out, note
+
+
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Copy saved weights into a plain (not yet parallelized) ``model``: ``path`` is a
-    .safetensors file (``allhands export``) or a committed checkpoint directory. Every parameter
+    .safetensors file (``allhands export``), a transformers GPT-2 directory (``allhands export
+    --format hf``, or any GPT-2 of the reference GPT's shape) or a committed checkpoint directory. Every parameter
     and buffer must be there with its shape."""
-    if Path(path).is_dir():
+    own = model.state_dict()
+    if is_gpt2_dir(Path(path)):
+        sd = read_gpt2(Path(path), own)
+    elif Path(path).is_dir():
         sd = checkpoint_weights(Path(path))
     else:
         try:
@@ -97,7 +142,6 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
             raise CheckpointError(f"checkpoint.init_from: {str(path)!r} is not a readable "
                                   f".safetensors file ({e}); pass a file written by `allhands "
                                   f"export`") from None
-    own = model.state_dict()
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     shapes = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]

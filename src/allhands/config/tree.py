@@ -51,6 +51,8 @@ class DataConfig:
     """Where training tokens come from and how samples are drawn."""
 
     path: str = _f("", "directory made by `allhands prepare`; empty uses the embedded corpus")
+    mix: str = _f("", "several `allhands prepare` directories drawn by weight, DIR:WEIGHT[,DIR:WEIGHT...] "
+                      "(same tokenizer; instead of data.path)")
     seed: int = _f(1234, "seed of the sample order; the order is independent of the worker count")
     eval_batches: int = _f(4, "global eval batches drawn from the held-out split per evaluation")
 

@@ -3,6 +3,7 @@ message starts with the dotted path of the field and says what is allowed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +66,48 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
                f"must be divisible by data-parallel ranks x micro_batches = {dp} x {r.micro_batches} = {per}",
                r.global_batch)
         _check_tp_pp(cfg, sizes)
-    if c.init_from and not Path(c.init_from).is_file():
+    if c.init_from and not Path(c.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {c.init_from!r} does not exist; pass a .safetensors "
-                          f"file written by `allhands export`")
-    if need_data and d.path:
-        path = Path(d.path)
-        if not (path / "meta.json").is_file():
-            raise ConfigError(f"data.path: {d.path!r} has no meta.json; make it with "
-                              f"`allhands prepare TEXT_FILES --out {d.path}` or leave data.path empty")
+                          f"file or a transformers directory written by `allhands export`")
+    if need_data:
+        _check_data(cfg)
+
+
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+    """``DIR:WEIGHT[,DIR:WEIGHT...]`` of data.mix as ``[(dir, weight), ...]``."""
+    out = []
+    for item in spec.split(","):
+        path, _, w = item.strip().rpartition(":")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if not path or not weight > 0:
+            raise ConfigError(f"data.mix: {item.strip()!r} is not allowed; each item is DIR:WEIGHT "
+                              f"with WEIGHT > 0, e.g. data/web:0.7,data/code:0.3")
+        out.append((path, weight))
+    return out
+
+
+def _check_data(cfg: Config) -> None:
+    """The prepared directories exist, and the model's vocabulary holds the data's."""
+    d, m = cfg.data, cfg.model
+    if d.mix and d.path:
+        raise ConfigError(f"data.mix: {d.mix!r} replaces data.path; set one of them, not both")
+    field = "data.mix" if d.mix else "data.path"
+    for path, _ in parse_mix(d.mix) if d.mix else [(d.path, 1.0)] if d.path else []:
+        meta = Path(path) / "meta.json"
+        if not meta.is_file():
+            raise ConfigError(f"{field}: {path!r} has no meta.json; make it with "
+                              f"`allhands prepare INPUTS --out {path}`" +
+                              ("" if d.mix else " or leave data.path empty"))
+        try:
+            vocab = int(json.loads(meta.read_text()).get("vocab_size", 0))
+        except (ValueError, TypeError):
+            continue  # a damaged meta.json is named by the data loader, with its fix
+        if m.vocab_size and vocab > m.vocab_size:
+            raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the vocabulary "
+                              f"{vocab} of {path!r}; use 0 to take it from the data, or >= {vocab}")
 
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")

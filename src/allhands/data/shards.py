@@ -19,11 +19,12 @@ import os
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
 
-from allhands.data.tokenizer import ByteTokenizer
+from allhands.data.tokenizer import ByteTokenizer, dtype_for, tokenizer_info
 from allhands.errors import DataError, cannot_write
 
 FORMAT = 1
@@ -33,16 +34,47 @@ DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MIN_SPLIT_TOKENS = 129
 
 
-
-
-def _write_split(out: Path, split: str, tokens: np.ndarray, shard_tokens: int) -> list[dict]:
-    entries = []
-    for i, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
-        part = tokens[start:start + shard_tokens]
-        name = f"{split}-{i:03d}.bin"
-        part.tofile(out / name)
-        entries.append({"file": name, "tokens": int(len(part))})
-    return entries
+def write_shards(out: Path, pieces: Iterable[np.ndarray], total: int, info: dict,
+                 val_fraction: float = 0.05, shard_tokens: int = 1 << 24) -> dict:
+    """Write the token stream given as ``pieces`` (``total`` tokens in all) as train/val shards
+    and meta.json (with the tokenizer ``info``) into ``out``; the last ``val_fraction`` of the
+    stream is the val split. Streams: no more than one piece is held at a time."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction {val_fraction} must be in (0, 1)")
+    # Each split holds at least one sample of the default model.seq_len plus its target.
+    n_val = max(MIN_SPLIT_TOKENS, int(total * val_fraction))
+    if total - n_val < MIN_SPLIT_TOKENS:
+        raise DataError(f"prepare: the input is {total} tokens; it needs {n_val + MIN_SPLIT_TOKENS} "
+                        f"or more (one sample of the default model.seq_len+1={MIN_SPLIT_TOKENS} "
+                        f"tokens in each split); pass more text")
+    dtype = dtype_for(info["vocab_size"])
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out: {cannot_write(out, e)}; pass a writable directory") from None
+    splits: dict[str, list[dict]] = {}
+    it = iter(pieces)
+    piece = np.zeros(0, dtype)
+    for split, left in (("train", total - n_val), ("val", n_val)):
+        entries = splits[split] = []
+        while True:  # one shard file per turn; an empty split still gets one (empty) file
+            name, n = f"{split}-{len(entries):03d}.bin", 0
+            with open(out / name, "wb") as f:
+                while n < shard_tokens and left > 0:
+                    if not len(piece):
+                        piece = next(it).astype(dtype, copy=False)
+                        continue
+                    take = min(len(piece), shard_tokens - n, left)
+                    piece[:take].tofile(f)
+                    piece, n, left = piece[take:], n + take, left - take
+            entries.append({"file": name, "tokens": n})
+            if left == 0:
+                break
+    meta = {"format": FORMAT, **info, "dtype": np.dtype(dtype).name, "splits": splits}
+    tmp = out / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / "meta.json")  # meta last: a directory with meta.json is complete
+    return meta
 
 
 def prepare(texts: list[str], out: str | os.PathLike, val_fraction: float = 0.05,
@@ -54,33 +86,11 @@ def prepare(texts: list[str], out: str | os.PathLike, val_fraction: float = 0.05
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction {val_fraction} must be in (0, 1)")
     tok = ByteTokenizer()
-    pieces = []
-    for t in texts:
-        pieces.append(tok.encode(t))
-        pieces.append(np.array([tok.eot], dtype=tok.dtype))
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=tok.dtype)
-    n_val = max(MIN_SPLIT_TOKENS, int(len(stream) * val_fraction))
     if not any(t.strip() for t in texts):
         raise DataError("prepare: the input holds no text; pass files with text in them")
-    if len(stream) - n_val < MIN_SPLIT_TOKENS:
-        raise DataError(f"prepare: the input is {len(stream)} tokens; it needs {n_val + MIN_SPLIT_TOKENS} "
-                        f"or more (one sample of the default model.seq_len+1={MIN_SPLIT_TOKENS} "
-                        f"tokens in each split); pass more text")
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"--out: {cannot_write(out, e)}; pass a writable directory") from None
-    meta = {
-        "format": FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-        "dtype": np.dtype(tok.dtype).name,
-        "splits": {"train": _write_split(out, "train", stream[:-n_val], shard_tokens),
-                   "val": _write_split(out, "val", stream[-n_val:], shard_tokens)},
-    }
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")  # meta last: a directory with meta.json is complete
-    return meta
+    stream = tok.encode_docs(texts)
+    return write_shards(Path(out), [stream], len(stream), tokenizer_info(tok), val_fraction,
+                        shard_tokens)
 
 
 def embedded_text() -> str:

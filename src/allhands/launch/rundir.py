@@ -49,7 +49,7 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
             run_dir = run_dir.with_name(run_dir.name.split("+")[0] + f"+{n}")
     run_dir = run_dir.resolve()
     cfg.run.dir = str(run_dir)
-    if not cfg.data.path:
+    if not (cfg.data.path or cfg.data.mix):
         cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
     check_token_data(cfg.data.path, cfg.model.seq_len, cfg.run.global_batch)
     check_run_dir(run_dir)
@@ -115,7 +115,7 @@ def _same_job(run_dir: Path, cfg: Config) -> bool:
     except AllhandsError:
         return False
     now = cfg.to_dict()
-    local = [("run", "threads"), ("run", "dir")] + ([] if cfg.data.path else [("data", "path")])
+    local = [("run", "threads"), ("run", "dir")] + ([] if cfg.data.path or cfg.data.mix else [("data", "path")])
     for d in (saved, now):
         for sec, name in local:
             d[sec].pop(name, None)
