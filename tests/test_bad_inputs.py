@@ -138,15 +138,15 @@ CLI = [
     (["config", "show", "--set", "model.dropout=1.5"], 2, "model.dropout"),
     (["config"], 2, "the following arguments are required"),
     (["config", "show", "--dcos"], 2, "did you mean --docs?"),
-    (["prepare", "{empty_txt}", "--out", NEW], 2, "holds no text"),
-    (["prepare", "{blank_txt}", "--out", NEW], 2, "holds no text"),
+    (["prepare", "{empty_txt}", "--out", NEW], 2, "hold no text"),
+    (["prepare", "{blank_txt}", "--out", NEW], 2, "the input is 6 tokens"),
     (["prepare", "{three_txt}", "--out", NEW], 2, "the input is 4 tokens"),
     (["prepare", "{base}/missing.txt", "--out", NEW], 2, "missing.txt"),
     (["prepare", "{latin1_txt}", "--out", NEW], 2, "is not UTF-8"),
     (["prepare", "{text_txt}", "--out", NEW, "--val-fraction", "1.5"], 2, "--val-fraction"),
     (["prepare", "{text_txt}", "--out", "{ro}/tokens"], 2, "Read-only file system"),
     (["prepare", "{text_txt}", "--out", "{afile}/tokens"], 2, "is a file, not a directory"),
-    (["prepare", "--out", NEW], 2, "the following arguments are required: text_files"),
+    (["prepare", "--out", NEW], 2, "the following arguments are required: INPUT"),
     (["export", "{finished}", "--out", "{base}/m.pt"], 2, "does not end in .safetensors"),
     (["export", "{base}/nope", "--out", f"{NEW}/m.safetensors"], 2, "is not a directory"),
     (["export", "{emptydir}", "--out", f"{NEW}/m.safetensors"], 2, "has no committed checkpoint"),
@@ -276,7 +276,7 @@ def test_subprocess_errors_and_version(finished, cli_env, tmp_path):
     assert r.returncode == 0 and r.stderr == "" and out.is_file(), r.stderr
 
 
-@pytest.mark.parametrize("sub,says", [("prepare", "UTF-8 text files"), ("export", "a run directory made by"),
+@pytest.mark.parametrize("sub,says", [("prepare", ".jsonl[.gz|.zst]"), ("export", "a run directory made by"),
                                       ("report", "RUN_DIR/report"),
                                       ("launch", "your Python script"), ("train", "TOML job config")])
 def test_each_subcommand_documents_its_positional_arguments(sub, says, capsys):

@@ -175,7 +175,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         meta = prepare_corpus(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field,
                               train_bpe_vocab=_bpe_vocab(args.train_tokenizer) if args.train_tokenizer else 0,
                               eot=args.eot, val_fraction=args.val_fraction, workers=args.workers,
-                              progress=not args.quiet)
+                              progress=not args.quiet and sys.stderr.isatty())
     except DataError as e:  # bad input found before any shard is written: invalid input, exit 2
         raise ConfigError(str(e)) from None
     except KeyboardInterrupt:
@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end-of-document token of --tokenizer (default: <|endoftext|>, </s>, ...)")
     p.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of tokens")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (there is none when "
+                                                        "stderr is not a terminal)")
     p.set_defaults(fn=cmd_prepare)
 
     e = sub.add_parser("export", help="write a run's weights as one .safetensors file or a "

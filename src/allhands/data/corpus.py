@@ -117,16 +117,27 @@ class _Bar:
             self.bar.close()
 
 
-def prepare_corpus(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "byte",
-                   train_bpe_vocab: int = 0, field: str = "text", eot: str = "",
-                   val_fraction: float = 0.05, workers: int = 0, chunk_bytes: int = 4 << 20,
-                   shard_tokens: int = 1 << 24, progress: bool = True) -> dict:
-    """Tokenize ``inputs`` (files, globs, directories) into shards in ``out``; returns meta.
-    ``workers``: processes (0 = one per core; 1 tokenizes in this process)."""
+def prepare_corpus(inputs: list[str], out: str | os.PathLike, **kw) -> dict:
+    """Tokenize ``inputs`` (files, globs, directories) into shards in ``out``; returns meta (the
+    options: :func:`_prepare`). Bad input leaves no ``out`` that this call created; an interrupt
+    keeps it, so that the same command continues where it stopped."""
+    created = not Path(out).exists()
+    try:
+        return _prepare(inputs, Path(out), **kw)
+    except DataError:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
+             train_bpe_vocab: int = 0, field: str = "text", eot: str = "",
+             val_fraction: float = 0.05, workers: int = 0, chunk_bytes: int = 4 << 20,
+             shard_tokens: int = 1 << 24, progress: bool = True) -> dict:
+    """``workers``: processes (0 = one per core; 1 tokenizes in this process)."""
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction: {val_fraction} is not allowed; must be in (0, 1)")
     files = expand_inputs(inputs)
-    out = Path(out)
     work = out / WORK
     try:
         work.mkdir(parents=True, exist_ok=True)

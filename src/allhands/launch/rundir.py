@@ -97,7 +97,7 @@ def check_run_dir(run_dir: Path) -> None:
     could otherwise read the job's data or plant symlinks that redirect its writes."""
     try:
         st = run_dir.stat()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there yet: made below, or said why not
         return
     problem = owner_problem(st, "run.dir:", run_dir)
     if problem:
