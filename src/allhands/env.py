@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 SECRET_ENV = "ALLHANDS_SECRET"
 """The job secret (multi-node: the same string on every node; single node: set by the launcher)."""
@@ -48,3 +49,12 @@ def worker_admission_env() -> tuple[str | None, bool, tuple[str, int] | None]:
     master = (e["MASTER_ADDR"], int(e["MASTER_PORT"])) if e.get("MASTER_PORT", "").isdigit() \
         and e.get("MASTER_ADDR") else None
     return e.get(SECRET_ENV) or None, e.get(INSECURE_ENV) == "1", master
+
+
+def cache_dir() -> Path:
+    """Per-user cache for measurements of this machine (the CPU GEMM peak): ``ALLHANDS_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/allhands``, else ``~/.cache/allhands``."""
+    e = os.environ
+    if e.get("ALLHANDS_CACHE_DIR"):
+        return Path(e["ALLHANDS_CACHE_DIR"])
+    return Path(e.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "allhands"

@@ -54,8 +54,9 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, record["step"])
         if self._bar is not None and "loss" in record:
             self._bar.n = record["step"]
+            mfu = {"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record else {}
             self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                  refresh=False)
+                                  **mfu, refresh=False)
             self._bar.refresh()
 
     def message(self, text: str) -> None:
@@ -82,6 +83,9 @@ class MetricsWriter:
                 parts.append(f"eval loss {self.first_eval:.4f} -> {self.last_eval:.4f}")
             if "tokens_per_s" in self.last:
                 parts.append(f"{self.last['tokens_per_s']:,.0f} tokens/s")
+            if "mfu" in self.last:
+                parts.append(f"MFU {100 * self.last['mfu']:.1f}% "
+                             f"({self.last['achieved_flops'] / 1e12:.3g} TFLOP/s)")
             print("allhands: done: " + ", ".join(parts), file=sys.stderr, flush=True)
 
 

@@ -28,6 +28,7 @@ from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError, ConfigError
 from allhands.faults import FaultInjector, NonFiniteGuard
+from allhands.flops import StepFlops
 from allhands.env import gloo_interface, worker_env
 from allhands.heartbeat import Heartbeat
 from allhands.mesh import Mesh
@@ -222,6 +223,11 @@ class Trainer:
         self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.node_local_rank == 0 else None
         self.net_iface = gloo_interface() if self._tx_at_log is not None else None
         self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
+        self.flops = StepFlops.start(
+            (lambda: job.model(cfg)) if job.model else (lambda: build_reference_model(cfg, vocab)),
+            collate(self.train_ds, [0]), self.loss_fn, global_batch=r.global_batch, device=mesh.device,
+            bf16=use_bf16, threads=torch.get_num_threads(), devices=mesh.world_size,
+            leader=mesh.node_local_rank == 0, barrier=dist.barrier)
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -370,6 +376,8 @@ class Trainer:
                                 start_step=ts.step, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
         metrics.message(f"allhands: {self.sync_note}")
+        if self.flops is not None:
+            metrics.message(self.flops.describe())
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
@@ -504,5 +512,7 @@ class Trainer:
         }
         if self.net_iface is not None or float(g[:, 6].sum()) > 0:
             record["net_tx_bytes"] = float(g[:, 6].sum()) / per_step  # all nodes' interfaces
+        if self.flops is not None:  # flops_per_step, achieved_flops, mfu
+            record.update(self.flops.fields(step_time))
         metrics.log(record)
         return record
