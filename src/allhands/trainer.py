@@ -188,7 +188,7 @@ class Trainer:
                         if fsdp_mp else None,
                         replicate=not self.strategy.reconciles_replicas,
                         sequence_parallel=p.tp_sequence_parallel, tp_plan=job.tp_plan,
-                        pipeline_stage=self.pipeline is not None), mesh)
+                        pipeline_stage=self.pipeline is not None, compile=r.compile), mesh)
             for part in parts]
         self.parts = parts  # parallelized in place: their parameters are the trained ones
         if self.pipeline is not None:
