@@ -16,14 +16,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "env", "faults", "heartbeat", "netlab"),
-    ("data", "models", "metrics", "report", "admission"),
+    ("data", "models", "metrics", "report", "admission", "flops"),
     ("mesh",),
-    ("parallel", "sync", "memory"),
+    ("parallel", "sync", "memory", "plan"),
     ("checkpoint",),
     ("trainer",),
     ("worker",),
     ("launch",),
-    ("drill", "allhands"),  # "allhands": the package itself, the Python API
+    ("drill", "allhands", "plan.check"),  # "allhands": the package itself, the Python API
     ("cli",),
 ]
 
