@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer",),
     ("worker",),
     ("launch",),
-    ("drill", "allhands", "plan.check"),  # "allhands": the package itself, the Python API
+    ("drill", "allhands", "plan.check", "plan.calibrate"),  # "allhands": the package itself, the Python API
     ("cli",),
 ]
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from allhands.config import Config, apply_override
-from allhands.plan import Layout, estimate, parse_cluster, plan
+from allhands.plan import Layout, estimate, parse_cluster, plan, stage_params
 from allhands.plan.check import check
+from allhands.plan.localtime import local_step
 
 from conftest import ALLHANDS, TINY, tiny_config
 
@@ -63,3 +66,32 @@ def test_cli_plan_json_and_bad_cluster(cli_env):
     assert any(not r["feasible"] and r["reason"] for r in rows)
     bad = subprocess.run([*ALLHANDS, "plan", "--cluster", "tpu:2"], env=cli_env, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--cluster" in bad.stderr
+
+
+def _calibration(**costs: float) -> dict:
+    """A calibration of this machine's shape (calibrate.py's keys) with chosen costs, zero elsewhere."""
+    cal = {op: [0.0, 0.0] for op in ("allreduce", "allgather", "reducescatter", "broadcast", "sendrecv")}
+    cal.update({k: 0.0 for k in ("fsdp_unit_zero2", "fsdp_unit_zero3", "dtensor_update_tensor", "ddp_step",
+                                 "tp_module", "pp_microbatch", "step_fixed", "step_per_block",
+                                 "step_per_param", "runtime")}, contention=1.0)
+    cal.update(costs)
+    return cal
+
+
+def test_local_step_is_composed_from_the_calibration():
+    """The local model adds what the probes measured, no more: DDP pays its measured cost and its
+    gradient bytes over a single process, which pays one all-reduce (the non-finite vote); 1F1B's
+    bubble is (p-1)/m of compute."""
+    cfg = _config(*TINY, "model.vocab_size=257")
+    shape = dict(blocks=[2], numel=[stage_params(cfg, 1, 1, 0)[0]], tensors=[15], threads=1)
+    cal = _calibration(allreduce=[1e-3, 1e-9], ddp_step=2e-3, step_fixed=5e-3, step_per_block=1e-3)
+    one = local_step(cfg, Layout(1, 1, 1, 1, 0), cal, **shape)
+    ddp = local_step(cfg, Layout(2, 1, 1, 1, 0), cal, **shape)
+    assert ddp["comm_exposed"] - one["comm_exposed"] == pytest.approx(2e-3 + 4 * shape["numel"][0] * 1e-9)
+    assert one["optimizer"] == pytest.approx(5e-3) and one["comm"] == pytest.approx(1e-3 + 4e-9)
+    # half the per-rank batch: the eager-op cost per block stays, the matmuls shrink
+    assert 2e-3 < ddp["compute"] < one["compute"]
+    for m in (2, 4):
+        pp = local_step(cfg, Layout(1, 1, 1, 2, 0, microbatches=m), cal, **{**shape, "blocks": [1, 1],
+                        "numel": [1, 1], "tensors": [1, 1]})
+        assert pp["bubble"] / pp["compute"] == pytest.approx(1 / m)

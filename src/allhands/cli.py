@@ -173,6 +173,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     validate(cfg, need_data=False)
     if args.nproc < 1 or args.top < 1 or args.tokens < 0:
         raise ConfigError("--nproc and --top must be >= 1 and --tokens >= 0")
+    if args.cluster.partition(",")[0].partition(":")[0] == "local":
+        from allhands.plan.calibrate import calibrate
+
+        calibrate(args.nproc)  # once per machine: gloo, step overheads, worker memory (cached)
     if args.check:
         from allhands.plan.check import check, format_check
 

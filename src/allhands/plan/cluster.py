@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from allhands.errors import ConfigError
 from allhands.flops import PEAK_FLOPS, cpu_gemm_peak
+from allhands.plan.localtime import cached_calibration
 
 GiB = 2 ** 30
 
@@ -40,6 +41,7 @@ class Cluster:
     op_overhead: float = 5e-6  # seconds per eager op (kernel launch, dispatcher)
     runtime: float = 0.0  # bytes a worker holds besides tensors (CPU: interpreter and libraries)
     device: str = "cuda"
+    calib: dict | None = None  # local: calibrate.py's measurements, which localtime.py composes
 
     @property
     def world(self) -> int:
@@ -89,20 +91,25 @@ def _measured_op_overhead() -> float:
     return (time.perf_counter() - t0) / n
 
 
-def local_cluster(nproc: int = 2) -> Cluster:
+def local_cluster(nproc: int = 2, *, calibrated: bool = True) -> Cluster:
     """This machine as ``nproc`` CPU workers with ``cores // nproc`` threads each: the measured
-    GEMM peak (cached, flops.py), memory-copy bandwidth and per-op overhead; gloo over loopback
-    estimated at 1 GB/s and 100 us a call; ``runtime`` is this process's resident set after
-    importing torch, which every worker also holds."""
+    GEMM peak (cached, flops.py), memory-copy bandwidth and per-op overhead. With its cached
+    calibration (``allhands plan`` measures it once: calibrate.py) gloo's alpha-beta figures,
+    the step overheads and the worker's resident set come from it and the step time from
+    localtime.py; without, gloo over loopback is taken as 1 GB/s and 100 us a call and
+    ``runtime`` as this process's resident set after importing torch."""
 
     cores = os.cpu_count() or 1
     threads = max(1, cores // nproc)
     peak = cpu_gemm_peak(threads, "fp32") or 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
+    cal = cached_calibration(nproc) if calibrated else None
+    latency, link = (cal["allreduce"][0], 1 / max(cal["allreduce"][1], 1e-12)) if cal else (100e-6, 1e9)
     return Cluster("local", 1, nproc, mem, cpu_gemm_peak(threads, "bf16", measure=False) or peak / 4,
-                   peak, _measured_copy_bw(), 1e9, 1e9, latency=100e-6, gemm_eff=1.0,
-                   op_overhead=_measured_op_overhead(), runtime=float(rss), device="cpu")
+                   peak, _measured_copy_bw(), link, link, latency=latency, gemm_eff=1.0,
+                   op_overhead=_measured_op_overhead(), runtime=float(cal["runtime"] if cal else rss),
+                   device="cpu", calib=cal)
 
 
 _KEYS = {"gpus": "per_node", "per_node": "per_node", "nodes": "nodes", "mem_gb": "memory",

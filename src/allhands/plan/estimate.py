@@ -17,11 +17,13 @@ the part of data-parallel communication that backward/forward cannot hide, and t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from allhands.config import Config
 from allhands.flops import gpt_flops_per_token
 from allhands.plan.cluster import Cluster
+from allhands.plan.localtime import local_step
 
 # Values kept per block per token per C (see the docstring), by parallel.ac.
 ACT_PER_BLOCK = {"none": 17, "selective": 10, "block": 1}
@@ -107,6 +109,10 @@ def stage_params(cfg: Config, pp: int, tp: int, stage: int) -> tuple[int, int]:
             numel += v * c // tp
             tensors += 1
     return numel, tensors
+
+
+def _threads(cluster: Cluster) -> int:
+    return max(1, (os.cpu_count() or 1) // cluster.per_node)
 
 
 def _ring(kind: str, nbytes: float, n: int) -> float:
@@ -219,6 +225,11 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estim
     step = compute + bubble + exposed + tp_comm + pp_comm + optim
     est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + pp_comm,
                 "comm_exposed": exposed + tp_comm + pp_comm, "optimizer": optim, "step": step}
+    if cluster.calib:  # this machine: composed from its calibration (localtime.py)
+        shape = [stage_params(cfg, pp, tp, s) for s in range(pp)]
+        est.time = local_step(cfg, layout, cluster.calib, blocks=blocks, numel=[x[0] for x in shape],
+                              tensors=[x[1] for x in shape], threads=_threads(cluster))
+        step = est.time["step"]
     flops_step = gpt_flops_per_token(n_layer=m.n_layer, n_embd=c, seq_len=t, vocab_size=v) * t * r.global_batch
     est.tokens_per_s = r.global_batch * t / step
     est.mfu = flops_step / step / (peak * layout.world)
