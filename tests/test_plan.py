@@ -71,7 +71,7 @@ def test_cli_plan_json_and_bad_cluster(cli_env):
 def _calibration(**costs: float) -> dict:
     """A calibration of this machine's shape (calibrate.py's keys) with chosen costs, zero elsewhere."""
     cal = {op: [0.0, 0.0] for op in ("allreduce", "allgather", "reducescatter", "broadcast", "sendrecv")}
-    cal.update({k: 0.0 for k in ("fsdp_unit_zero2", "fsdp_unit_zero3", "dtensor_update_tensor", "ddp_step",
+    cal.update({k: 0.0 for k in ("fsdp_unit_zero2", "fsdp_unit_zero3", "fsdp_step_zero2", "fsdp_step_zero3", "tp_step", "dtensor_update_tensor", "ddp_step", "ddp_half",
                                  "tp_module", "pp_microbatch", "step_fixed", "step_per_block",
                                  "step_per_param", "runtime")}, contention=1.0)
     cal.update(costs)

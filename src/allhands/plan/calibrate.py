@@ -4,9 +4,11 @@ model is made of, never the step of the layout it predicts.
 
 - A probe of ``nproc`` gloo processes on loopback: latency ``alpha`` and seconds per byte ``beta``
   of all-reduce, all-gather, reduce-scatter, broadcast and send/recv (two payload sizes, the
-  median of many calls: Hockney's alpha-beta model); what DDP, an FSDP2 unit (ZeRO-2 and 3) and
-  a sequence-parallel TP half-block add to a forward + backward over the same plain modules
-  (their hooks, DTensor dispatch and small collectives), and how much slower the same eager
+  median of many calls: Hockney's alpha-beta model); what DDP, FSDP2 (ZeRO-2 and 3) and
+  sequence-parallel TP add to a forward + backward over the same plain modules (their hooks,
+  DTensor dispatch and small collectives), per step and per unit (two stack depths), what
+  clipping and AdamW cost more per DTensor parameter, 1F1B's cost per microbatch beyond its
+  compute, and how much slower the same eager
   work runs with ``nproc`` workers sharing the cores than alone (``contention``).
 - Three 1-process training runs of the reference GPT at different depth and width, through the
   real launcher: what a step costs beyond its matmuls (the GEMM time is modelled from the measured
@@ -48,7 +50,7 @@ def _alpha_beta(t_small: float, t_large: float, b_small: float, b_large: float) 
     return [max(0.0, t_small - beta * b_small), beta]
 
 
-UNITS = 4  # modules in the framework-cost probes
+SPANS = (2, 6)  # halves in the framework-cost probes: the slope is per unit, the rest per step
 
 
 class _Half(torch.nn.Module):
@@ -62,10 +64,11 @@ class _Half(torch.nn.Module):
         return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
 
 
-def _extra(wrapped, x: torch.Tensor, barrier, *, full: torch.Tensor | None = None, reps: int = 40) -> float:
+def _extra(wrapped, n: int, x: torch.Tensor, barrier, *, full: torch.Tensor | None = None,
+           reps: int = 40) -> float:
     """Median extra seconds of a forward + backward of ``wrapped`` (DDP, FSDP2 or TP around
-    UNITS halves) over the same plain modules, timed alternately so that load drifts cancel."""
-    plain = torch.nn.Sequential(*[_Half() for _ in range(UNITS)])
+    ``n`` halves) over ``n`` plain halves, timed alternately so that load drifts cancel."""
+    plain = torch.nn.Sequential(*[_Half() for _ in range(n)])
     full = x if full is None else full
     barrier()
     diffs = []
@@ -77,6 +80,17 @@ def _extra(wrapped, x: torch.Tensor, barrier, *, full: torch.Tensor | None = Non
         if i >= 5:
             diffs.append((t1 - t0) - (time.perf_counter() - t1))
     return max(0.0, statistics.median(diffs))
+
+
+def _fit(wrap, x: torch.Tensor, barrier, **kw) -> tuple[float, float]:
+    """(seconds per step, seconds per half) of what ``wrap(nn.Sequential of halves)`` adds,
+    from SPANS: a framework's cost has a per-step part (root hooks, final callbacks) and a
+    per-module part."""
+    (n0, n1) = SPANS
+    c0, c1 = (_extra(wrap(torch.nn.Sequential(*[_Half() for _ in range(n)])), n, x, barrier, **kw)
+              for n in SPANS)
+    per = max(0.0, (c1 - c0) / (n1 - n0))
+    return max(0.0, c0 - n0 * per), per
 
 
 def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
@@ -113,14 +127,16 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
         x = torch.ones(8, 16, 16)
         out["plain_pass"] = _median_time(lambda: _Half()(x).sum().backward(), 60)
         for zero, reshard in ((2, False), (3, True)):  # FSDP2: one unit per block and the root
-            sharded = nn.Sequential(*[_Half() for _ in range(UNITS)])
-            for layer in sharded:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard)
-            out[f"fsdp_unit_zero{zero}"] = _extra(sharded, x, dist.barrier) / (UNITS + 1)
+            def shard(seq: nn.Sequential, reshard: bool = reshard) -> nn.Sequential:
+                for layer in seq:
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+                return fully_shard(seq, mesh=mesh, reshard_after_forward=reshard)
+
+            out[f"fsdp_step_zero{zero}"], out[f"fsdp_unit_zero{zero}"] = _fit(shard, x, dist.barrier)
+        sharded = shard(nn.Sequential(*[_Half() for _ in range(SPANS[0])]))
         # clipping + AdamW + zero_grad over DTensor parameters (FSDP shards, TP) costs more per
         # tensor than over plain ones: DTensor dispatch of every op, the norm's all-reduce
-        plain = nn.Sequential(*[_Half() for _ in range(UNITS)])
+        plain = nn.Sequential(*[_Half() for _ in range(SPANS[0])])
         params = [list(plain.parameters()), list(sharded.parameters())]
         optims = [torch.optim.AdamW(p) for p in params]
 
@@ -137,15 +153,18 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
         diffs = [update(1) - update(0) for _ in range(30)][5:]
         out["dtensor_update_tensor"] = max(0.0, statistics.median(diffs)) / len(params[1])
         out.update(_pipeline_probe(rank, x))
-        ddp = DistributedDataParallel(nn.Sequential(*[_Half() for _ in range(UNITS)]))
-        out["ddp_step"] = _extra(ddp, x, dist.barrier)
-        tp = nn.Sequential(*[_Half() for _ in range(UNITS)])  # sequence parallel, as parallel/tensor.py
-        for half in tp:
-            parallelize_module(half, mesh, {"ln": SequenceParallel(),
-                                            "fc": ColwiseParallel(input_layouts=Shard(1)),
-                                            "proj": RowwiseParallel(output_layouts=Shard(1))})
-        # per parallelized module (each half: a SequenceParallel norm, a column- and a row-wise linear)
-        out["tp_module"] = _extra(tp, x[:, : 16 // world], dist.barrier, full=x) / (3 * UNITS)
+        out["ddp_step"], out["ddp_half"] = _fit(DistributedDataParallel, x, dist.barrier)
+
+        def tp(seq: nn.Sequential) -> nn.Sequential:  # sequence parallel, as parallel/tensor.py
+            for half in seq:
+                parallelize_module(half, mesh, {"ln": SequenceParallel(),
+                                                "fc": ColwiseParallel(input_layouts=Shard(1)),
+                                                "proj": RowwiseParallel(output_layouts=Shard(1))})
+            return seq
+
+        # per parallelized module (a half: a SequenceParallel norm, a column- and a row-wise linear)
+        out["tp_step"], per_half = _fit(tp, x[:, : 16 // world], dist.barrier, full=x)
+        out["tp_module"] = per_half / 3
         if rank == 0:
             Path(out_path).write_text(json.dumps(out))
     finally:
@@ -161,20 +180,30 @@ def _pipeline_probe(rank: int, x: torch.Tensor) -> dict:
     from torch.distributed.pipelining.schedules import Schedule1F1B
 
     group = dist.new_group([0, 1])
-    times = {}
-    if rank < 2:
-        stage = PipelineStage(torch.nn.Sequential(_Half(), _Half()), rank, 2, torch.device("cpu"), group=group)
-        for m in (2, 6):
-            sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, target: out.sum())
-            batch, target = torch.cat([x] * m), torch.zeros(len(x) * m)
-            times[m] = _median_time(lambda: sched.step(batch) if rank == 0 else sched.step(target=target), 30)
-        plain = torch.nn.Sequential(_Half(), _Half())
-        compute = _median_time(lambda: plain(x).sum().backward(), 60)
-    dist.barrier()
     if rank >= 2:
+        dist.barrier()
         return {}
-    # 1F1B takes (m + p - 1) stage-microbatch times: the slope in m is one of them
-    return {"pp_microbatch": max(0.0, (times[6] - times[2]) / 4 - compute)}
+    plain = torch.nn.Sequential(_Half(), _Half())
+    runs = {}
+    for m in (2, 6):  # a stage each: a stage keeps buffers for its schedule's microbatch count
+        stage = PipelineStage(torch.nn.Sequential(_Half(), _Half()), rank, 2, torch.device("cpu"), group=group)
+        sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, target: out.sum())
+        batch, target = torch.cat([x] * m), torch.zeros(len(x) * m)
+        runs[m] = lambda sched=sched, batch=batch, target=target: (
+            sched.step(batch) if rank == 0 else sched.step(target=target))
+    slopes = []
+    for i in range(25):  # the three timed alternately, so that load drifts cancel
+        t0 = time.perf_counter()
+        runs[2]()
+        t1 = time.perf_counter()
+        runs[6]()
+        t2 = time.perf_counter()
+        plain(x).sum().backward()
+        t3 = time.perf_counter()
+        if i >= 3:  # 1F1B takes (m + p - 1) stage-microbatch times: the slope in m is one
+            slopes.append(((t2 - t1) - (t1 - t0)) / 4 - (t3 - t2))
+    dist.barrier()
+    return {"pp_microbatch": max(0.0, statistics.median(slopes))}
 
 
 def probe_comm(nproc: int) -> dict:

@@ -118,7 +118,7 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
             # ln2, fc, proj), on stage 0 tok_emb and pos_emb, on the last ln_f and lm_head; bytes
             # of the sequence-parallel all-gather before and reduce-scatter after each half-block
             modules = 6 * blocks[s] + 2 * (s == 0) + 2 * (s == pp - 1)
-            t_mb += modules * cal["tp_module"] + blocks[s] * 2 * (
+            t_mb += cal["tp_step"] + modules * cal["tp_module"] + blocks[s] * 2 * (
                 tok_bytes / tp * cal["allgather"][1] + tok_bytes * cal["reducescatter"][1])
         stage_t.append(t_mb)
     busiest = max(range(pp), key=lambda s: stage_t[s])
@@ -132,7 +132,9 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
     hidden = 0.0
     if layout.dp > 1 and layout.zero <= 1:  # DDP buckets: all but the last overlap backward
         buckets = 1 + max(0, math.ceil((pbytes - DDP_FIRST_BUCKET) / (cfg.parallel.bucket_mb * 2 ** 20)))
-        reduce = cal["ddp_step"] + _coll(cal, "allreduce", pbytes, buckets - 1)
+        # DDP's per-step cost and its per-parameter hooks (per half-block in the probe)
+        reduce = cal["ddp_step"] + 2 * blocks[busiest] * cal["ddp_half"] \
+            + _coll(cal, "allreduce", pbytes, buckets - 1)
         hidden = min(reduce * (buckets - 1) / buckets, bwd)
         comm += reduce
         if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner
@@ -140,7 +142,7 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
     elif layout.zero >= 2:  # one FSDP2 unit per block and the root
         units = blocks[busiest] + 1
         gathers = 2 if layout.zero == 3 else 1
-        comm += passes * units * cal[f"fsdp_unit_zero{layout.zero}"]
+        comm += passes * (cal[f"fsdp_step_zero{layout.zero}"] + units * cal[f"fsdp_unit_zero{layout.zero}"])
         comm += passes * (gathers * pbytes * cal["allgather"][1] + pbytes * cal["reducescatter"][1])
         comm += 2 * _coll(cal, "allreduce", 4)  # the sharded gradient norm, its full_tensor
         if layout.dp_replicate > 1:
