@@ -102,7 +102,11 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
+
+    from allhands.sync.allreduce import _bucket_bytes, _metered
+    from allhands.sync.comm import CommMeter
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -153,7 +157,15 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
         diffs = [update(1) - update(0) for _ in range(30)][5:]
         out["dtensor_update_tensor"] = max(0.0, statistics.median(diffs)) / len(params[1])
         out.update(_pipeline_probe(rank, x))
-        out["ddp_step"], out["ddp_half"] = _fit(DistributedDataParallel, x, dist.barrier)
+        def ddp(seq: nn.Sequential) -> DistributedDataParallel:
+            # with the allreduce strategy's metered Python comm hook, as sync/allreduce.py wraps
+            # DDP (a Python hook costs more than DDP's built-in C++ all-reduce)
+            model = DistributedDataParallel(seq)
+            model.register_comm_hook(None, _metered(default_hooks.allreduce_hook, CommMeter(), world,
+                                                    _bucket_bytes(None)))
+            return model
+
+        out["ddp_step"], out["ddp_half"] = _fit(ddp, x, dist.barrier)
 
         def tp(seq: nn.Sequential) -> nn.Sequential:  # sequence parallel, as parallel/tensor.py
             for half in seq:
