@@ -8,8 +8,9 @@ model is made of, never the step of the layout it predicts.
   sequence-parallel TP add to a forward + backward over the same plain modules (their hooks,
   DTensor dispatch and small collectives), per step and per unit (two stack depths), what
   clipping and AdamW cost more per DTensor parameter, 1F1B's cost per microbatch beyond its
-  compute, and how much slower the same eager
-  work runs with ``nproc`` workers sharing the cores than alone (``contention``).
+  compute, and how much slower the same eager work runs with ``nproc`` workers sharing the
+  cores than alone (``contention``). Each framework cost is timed alternately with its plain
+  counterpart, so that the load of other processes drifts out of the difference.
 - Three 1-process training runs of the reference GPT at different depth and width, through the
   real launcher: what a step costs beyond its matmuls (the GEMM time is modelled from the measured
   rate at each shape, localtime.py), fitted as ``fixed + per_block * blocks + per_param * params``
