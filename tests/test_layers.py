@@ -16,14 +16,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore"),
-    ("data", "models", "metrics", "report", "admission", "jobcheck", "job", "optim"),
+    ("data", "models", "metrics", "report", "admission", "jobcheck", "job", "optim", "flops"),
     ("mesh",),
-    ("parallel", "sync", "memory"),
+    ("parallel", "sync", "memory", "plan"),
     ("checkpoint",),
     ("trainer", "steplog"),
     ("worker",),
     ("launch",),
-    ("drill", "allhands"),  # "allhands": the package itself, the Python API
+    ("drill", "allhands", "plan.check", "plan.calibrate"),  # "allhands": the package itself, the Python API
     ("cli",),
 ]
 

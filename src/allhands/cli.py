@@ -215,6 +215,44 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from allhands.plan import parse_cluster, plan
+    from allhands.plan.search import format_plan, to_row
+
+    cfg = load_config(args.config, args.set)
+    validate(cfg, need_data=False)
+    if args.nproc < 1 or args.top < 1 or args.tokens < 0:
+        raise ConfigError("--nproc and --top must be >= 1 and --tokens >= 0")
+    if args.cluster.partition(",")[0].partition(":")[0] == "local":
+        from allhands.plan.calibrate import calibrate
+        from allhands.plan.localtime import cached_calibration, calibration_path
+
+        if cached_calibration(args.nproc) is None:
+            print(f"allhands plan: measuring this machine for {args.nproc} workers once (about a "
+                  f"minute; cached in {calibration_path()})", file=sys.stderr, flush=True)
+        calibrate(args.nproc)  # once per machine: gloo, step overheads, worker memory (cached)
+    if args.check:
+        from allhands.plan.check import check, format_check
+
+        if args.cluster != "local":
+            raise ConfigError(f"--check runs layouts on this machine; drop --cluster {args.cluster} "
+                              f"(or pass --cluster local)")
+        cluster = parse_cluster("local", args.nproc)
+        rows = check(cfg, plan(cfg, cluster, compile_options=(False,), ac_options=("none",)),
+                     cluster, steps=args.steps)
+        print(json.dumps([c.row() for c in rows], indent=1) if args.json else format_check(rows))
+        return 0
+    cluster = parse_cluster(args.cluster, args.nproc)
+    estimates = plan(cfg, cluster)
+    if args.json:
+        print(json.dumps({"cluster": vars(cluster), "layouts": [to_row(e, args.tokens) for e in estimates]}))
+    else:
+        print(format_plan(estimates, cluster, top=args.top, tokens=args.tokens))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="allhands", description="Distributed training on torch.distributed.")
     ap.add_argument("--version", action="version", version=_version())
@@ -289,6 +327,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tokenizer, for GPT2LMHeadModel.from_pretrained")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     e.set_defaults(fn=cmd_export)
+
+    pl = sub.add_parser("plan", help="predict every layout's per-rank memory, step time and MFU on "
+                                     "a cluster before launch")
+    pl.add_argument("config", nargs="?", help="TOML job config (model, batch, precision, optimizer)")
+    pl.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    pl.add_argument("--cluster", default="local", metavar="SPEC",
+                    help="PRESET[:NODES][,KEY=VALUE...]: a100, h100, h200 (8 per node) or local "
+                         "(this machine, measured), e.g. h100:16 or h100:4,inter_gbs=25")
+    pl.add_argument("--nproc", type=int, default=2, help="workers of --cluster local and --check (default 2)")
+    pl.add_argument("--tokens", type=float, default=0, help="token budget: time and accelerator-hours for it")
+    pl.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    pl.add_argument("--json", action="store_true", help="every layout as JSON")
+    pl.add_argument("--check", action="store_true",
+                    help="train each layout that fits this machine a few steps; predicted vs measured")
+    pl.add_argument("--steps", type=int, default=6, help="steps per layout under --check (default 6)")
+    pl.set_defaults(fn=cmd_plan)
 
     r = sub.add_parser("report", help="draw PNG plots of a run")
     r.add_argument("run_dir", help="a run directory made by `allhands train`; plots go to RUN_DIR/report")

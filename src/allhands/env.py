@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 SECRET_ENV = "ALLHANDS_SECRET"
 """The job secret (multi-node: the same string on every node; single node: set by the launcher)."""
@@ -58,3 +59,12 @@ def worker_store_env() -> tuple[str, int, bool, int]:
     return (e["MASTER_ADDR"], int(e["MASTER_PORT"]),
             e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             int(e.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def cache_dir() -> Path:
+    """Per-user cache for measurements of this machine (the CPU GEMM peak): ``ALLHANDS_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/allhands``, else ``~/.cache/allhands``."""
+    e = os.environ
+    if e.get("ALLHANDS_CACHE_DIR"):
+        return Path(e["ALLHANDS_CACHE_DIR"])
+    return Path(e.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "allhands"

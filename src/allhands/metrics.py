@@ -57,7 +57,9 @@ class MetricsWriter:
         if self._bar is not None and "loss" in record:
             self._bar.n = record["step"]
             rate, unit = throughput(record)
-            self._bar.set_postfix({"loss": f"{record['loss']:.3f}", unit: f"{rate:,.0f}"}, refresh=False)
+            mfu = {"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record else {}
+            self._bar.set_postfix({"loss": f"{record['loss']:.3f}", unit: f"{rate:,.0f}", **mfu},
+                                  refresh=False)
             self._bar.refresh()
 
     def message(self, text: str) -> None:
@@ -85,6 +87,9 @@ class MetricsWriter:
             rate, unit = throughput(self.last)
             if rate == rate:  # not NaN: the record has a rate
                 parts.append(f"{rate:,.0f} {unit}")
+            if "mfu" in self.last:
+                parts.append(f"MFU {100 * self.last['mfu']:.1f}% "
+                             f"({self.last['achieved_flops'] / 1e12:.3g} TFLOP/s)")
             print("allhands: done: " + ", ".join(parts), file=sys.stderr, flush=True)
 
 

@@ -1,5 +1,5 @@
-"""PNG plots of a run directory from its metrics.jsonl: loss (train and eval), throughput,
-step time per rank (a straggler shows as one line above the others), and communication: bytes
+"""PNG plots of a run directory from its metrics.jsonl: loss (train and eval), throughput with
+MFU, step time per rank (a straggler shows as one line above the others), and communication: bytes
 per step (collective payload, its ring lower bound, and the interfaces' counters when the run
 had a non-loopback interface) beside the exposed share of step time."""
 
@@ -68,6 +68,11 @@ def make_report(run_dir: Path) -> list[Path]:
         unit = throughput(train[-1])[1]
         ax.plot([r["step"] for r in train], [throughput(r)[0] for r in train], lw=1)
         ax.set_xlabel("step"), ax.set_ylabel(unit), ax.set_title("throughput"), ax.grid(alpha=0.3)
+        mfu = [r for r in train if "mfu" in r]
+        if mfu:  # model FLOPs utilisation (flops.py) on a second axis
+            bx = ax.twinx()
+            bx.plot([r["step"] for r in mfu], [100 * r["mfu"] for r in mfu], "C1", lw=1)
+            bx.set_ylabel("MFU (%)", color="C1")
         save(fig, "throughput.png")
 
         fig, ax = plt.subplots(figsize=(7, 4))

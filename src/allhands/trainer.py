@@ -23,6 +23,7 @@ from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
+from allhands.flops import StepFlops
 from allhands.env import worker_env
 from allhands.heartbeat import Heartbeat
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
@@ -85,6 +86,12 @@ class Trainer:
         self.memory: dict[str, int] | None = None
         self.tokens_per_sample: int | None = None
         self.steplog = StepLog(mesh, r.global_batch)
+        prec = self.layout.precision
+        self.flops = StepFlops.start(
+            (lambda: job.model(cfg)) if job.model else (lambda: build_reference_model(cfg, vocab)),
+            collate(self.train_ds, [0]), self.loss_fn, global_batch=r.global_batch, device=mesh.device,
+            bf16=prec.autocast or prec.param_dtype == torch.bfloat16, threads=torch.get_num_threads(),
+            devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier)
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -196,6 +203,8 @@ class Trainer:
                                 start_step=ts.step, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
         metrics.message(f"allhands: {self.sync_note}")
+        if self.flops is not None:
+            metrics.message(self.flops.describe())
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
@@ -237,6 +246,8 @@ class Trainer:
                         lr=self.scheduler.get_last_lr()[0], tokens_per_sample=self.tokens_per_sample,
                         counters={"nonfinite_skips": ts.nonfinite_skips,
                                   "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks})
+                    if self.flops is not None:  # flops_per_step, achieved_flops, mfu
+                        result.update(self.flops.fields(result["step_time"]))
                     metrics.log(result)
                 if (r.eval_interval and ts.step % r.eval_interval == 0) or last:
                     ev = self.evaluate()

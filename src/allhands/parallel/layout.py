@@ -176,7 +176,7 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
                     param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
                     replicate=not strategy.reconciles_replicas,
                     sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
-                    pipeline_stage=pipeline is not None), mesh)
+                    pipeline_stage=pipeline is not None, compile=cfg.run.compile), mesh)
         for part in parts]
     if pipeline is not None:
         pipeline.modules = wrapped

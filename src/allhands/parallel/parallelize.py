@@ -1,7 +1,8 @@
 """The one place that decides the order in which strategies cut a model.
 
 Order (torchtitan's ``parallelize_llama``): tensor parallel -> activation checkpointing ->
-data parallel (FSDP2 for ZeRO-2/3 and hybrid sharding, else DDP). TP first because it replaces
+``torch.compile`` per block -> data parallel (FSDP2 for ZeRO-2/3 and hybrid sharding, else
+DDP). TP first because it replaces
 parameters with DTensors on the ``tp`` mesh that FSDP then shards again over ``dp_shard``; AC
 before FSDP so that each FSDP unit is a checkpointed block and its all-gather runs again on
 recompute; DDP last because it must see the final parameters. The pipeline split (pp) happens
@@ -39,7 +40,8 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | None
 def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none",
                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                 bucket_mb: float = 25.0, replicate: bool = True, sequence_parallel: bool = True,
-                tp_plan: TPPlan | PlanFn | None = None, pipeline_stage: bool = False) -> nn.Module:
+                tp_plan: TPPlan | PlanFn | None = None, pipeline_stage: bool = False,
+                compile: bool = False) -> nn.Module:
     """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order and
     return the module the loop runs forward/backward on.
 
@@ -50,7 +52,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     reconciles replicas itself (DiLoCo) passes False and only dp_shard is covered here.
     ``sequence_parallel``/``tp_plan``: tensor parallelism over ``tp`` (see tensor.py; the plan
     defaults to the model's ``tp_plan`` method). ``pipeline_stage``: ``model`` is one pipeline
-    stage, replicated with composable ``replicate`` instead of DDP (see ddp.py).
+    stage, replicated with composable ``replicate`` instead of DDP (see ddp.py). ``compile``:
+    ``torch.compile`` each block in place (run.compile).
     """
     if mesh.size("tp") > 1:
         apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
@@ -59,6 +62,14 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
         if blocks is None:
             raise ValueError("parallel.ac needs a model with an nn.ModuleList of blocks")
         apply_ac(model, blocks=blocks, mode=ac)
+    if compile:
+        if blocks is None:
+            raise ValueError("run.compile needs a model with an nn.ModuleList of blocks")
+        for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+            # In place (nn.Module.compile), so parameter FQNs and checkpoints do not change;
+            # torchtitan compiles each block the same way, between AC and FSDP: a block's graph
+            # then holds its checkpointed region and FSDP's hooks stay outside it.
+            block.compile()
     if zero >= 2:
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ())
         return apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,

@@ -1,0 +1,174 @@
+"""How much of the hardware a run uses: model FLOPs per step (torch's own counter), the
+accelerator's peak FLOP/s (datasheet table, or a measured GEMM peak on CPU) and their ratio, MFU.
+
+MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", appendix B) counts the FLOPs the
+model needs (forward + backward), not those the hardware ran: activation recomputation is left
+out, so MFU compares layouts fairly. The count comes from ``FlopCounterMode`` run on a meta
+copy of the model (shapes only: no memory, no time), which counts matmuls and attention; for the
+reference GPT it equals the analytic ``6 N + 12 L C T`` per token (:func:`gpt_flops_per_token`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from allhands.env import cache_dir
+
+# Dense (no 2:4 sparsity) peak FLOP/s from NVIDIA's datasheets, SXM parts unless named: A100
+# (80 GB SXM: bf16 312 T, fp32 19.5 T), H100 SXM and H200 SXM (same compute: bf16 989 T, fp32
+# 67 T), H100 PCIe (bf16 756 T, fp32 51 T). fp32 is the non-tensor-core rate, which torch uses
+# unless TF32 is enabled. Longest name first: "H100 PCIe" before "H100".
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+}
+
+
+def accelerator_peak(device_name: str, dtype: str) -> float | None:
+    """Datasheet peak of a GPU by its ``torch.cuda.get_device_name`` (None when not in the table)."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return PEAK_FLOPS[key][dtype]
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_gemm_peak(threads: int, dtype: torch.dtype = torch.float32, n: int = 1024,
+                      seconds: float = 0.5) -> float:
+    """FLOP/s of the best of repeated ``n x n`` matmuls on ``threads`` CPU threads (about
+    ``seconds`` long): the rate this machine's BLAS reaches, the CPU's practical peak."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up: thread pool, packing buffers
+        best, t_end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < t_end or best == 0.0:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_gemm_peak(threads: int, dtype: str = "fp32", *, measure: bool = True) -> float | None:
+    """The measured CPU GEMM peak for ``threads`` threads, cached per machine (CPU model), thread
+    count, dtype and torch version in ``cache_dir()/gemm_peak.json``; None when not cached and
+    ``measure`` is False."""
+    path = cache_dir() / "gemm_peak.json"
+    key = f"{_cpu_name()}|threads={threads}|{dtype}|torch {torch.__version__}"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached or not measure:
+        return cached.get(key)
+    cached[key] = measure_gemm_peak(threads, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    try:  # written beside and renamed: concurrent jobs never read half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measured again next time
+        pass
+    return cached[key]
+
+
+def peak_flops(device: torch.device, dtype: str, threads: int) -> tuple[float | None, str]:
+    """(peak FLOP/s of one worker's device, where the figure comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return accelerator_peak(name, dtype), f"datasheet {name}"
+    return cpu_gemm_peak(threads, dtype), f"measured {dtype} GEMM, {threads} thread(s)"
+
+
+def gpt_flops_per_token(*, n_layer: int, n_embd: int, seq_len: int, vocab_size: int) -> int:
+    """Analytic training FLOPs per token of the reference GPT: ``6 N`` for the matmul weights
+    (N = 12 L C^2 in the blocks + V C in the head; embeddings are lookups, biases and norms are
+    not matmuls) plus attention's ``12 L C T`` (QK^T and AV, forward and backward, over the full
+    T x T: PaLM's convention, appendix B, which FlopCounterMode follows)."""
+    n = 12 * n_layer * n_embd ** 2 + vocab_size * n_embd
+    return 6 * n + 12 * n_layer * n_embd * seq_len
+
+
+def count_flops(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> int:
+    """Forward + backward FLOPs of one batch ``(x, y)``, counted by torch's FlopCounterMode on
+    a copy of the model built on the meta device (no memory, no arithmetic)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build()
+    if any(not q.is_meta for q in model.parameters()):
+        # A model instance passed to allhands.train (not a builder) comes back real: never run
+        # the counter's backward on the weights being trained. The run then logs no MFU.
+        raise TypeError("the model was not built on the meta device")
+    xm, ym = x.to("meta"), y.to("meta")
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model(xm), ym).backward()
+    return int(counter.get_total_flops())
+
+
+@dataclass
+class StepFlops:
+    """A run's FLOPs per step and the peak of its devices, computed once at start; ``fields``
+    turns a step time into the metrics record's ``flops_per_step``, ``achieved_flops`` (FLOP/s
+    of the whole job) and ``mfu``."""
+
+    per_step: int
+    peak: float | None  # of one device
+    devices: int
+    peak_source: str = ""
+
+    def fields(self, step_time: float) -> dict[str, Any]:
+        achieved = self.per_step / max(step_time, 1e-12)
+        out: dict[str, Any] = {"flops_per_step": self.per_step, "achieved_flops": achieved}
+        if self.peak:
+            out["mfu"] = achieved / (self.peak * self.devices)
+        return out
+
+    def describe(self) -> str:
+        peak = f"{self.peak / 1e12:.3g} TFLOP/s per device ({self.peak_source})" if self.peak \
+            else f"unknown ({self.peak_source}): no MFU"
+        return f"allhands: model FLOPs per step {self.per_step:.4g}; peak {peak}"
+
+    @classmethod
+    def start(cls, build: Callable[[], nn.Module], sample: tuple[torch.Tensor, torch.Tensor],
+              loss_fn: Callable, *, global_batch: int, device: torch.device, bf16: bool,
+              threads: int, devices: int, leader: bool, barrier: Callable[[], None]) -> "StepFlops | None":
+        """Count one sample's FLOPs and find the peak. On CPU the node's ``leader`` measures the
+        GEMM peak (when not cached) while the other workers wait in ``barrier``, so that they do
+        not compete for the cores it measures. None when the model cannot run on meta tensors."""
+        dtype = "bf16" if bf16 else "fp32"
+        if device.type == "cpu":
+            if leader:
+                cpu_gemm_peak(threads, dtype)
+            barrier()
+        peak, source = peak_flops(device, dtype, threads)
+        x, y = (t[:1] for t in sample)
+        try:
+            with torch.random.fork_rng(devices=[]):  # a user builder may draw from the CPU generator
+                per_sample = count_flops(build, x, y, loss_fn)
+        except (RuntimeError, NotImplementedError, TypeError):  # a user model that needs real data
+            return None
+        return cls(per_step=per_sample * global_batch, peak=peak, devices=devices, peak_source=source)

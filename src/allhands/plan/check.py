@@ -1,0 +1,90 @@
+"""``allhands plan --check``: train each layout that fits this machine for a few steps with the
+real launcher and put the plan's per-rank memory and step time beside the measured ones
+(metrics.jsonl: the training-state bytes of every rank, the peak memory, the step times)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from allhands.config import Config, apply_override
+from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.plan.cluster import Cluster
+from allhands.plan.estimate import Estimate
+from allhands.plan.search import with_layout
+
+# No evaluation, checkpoint or progress bar: the steps and the memory record only.
+QUIET = ["run.eval_interval=0", "data.eval_batches=0", "checkpoint.interval=0",
+         "checkpoint.at_end=false", "log.progress=false", "log.tensorboard=false", "log.interval=1"]
+
+
+@dataclass
+class Checked:
+    estimate: Estimate
+    state_rank: list[float]  # measured training-state bytes per rank
+    peak: float  # measured peak memory of the busiest rank
+    peak_kind: str
+    step_time: float  # median measured step time after the warm-up steps
+
+    def predicted_state_rank(self) -> list[float]:
+        """The plan's state bytes for each rank (pp is the outermost mesh dim)."""
+        per_stage = len(self.state_rank) // self.estimate.layout.pp
+        return [self.estimate.state_rank[r // per_stage] for r in range(len(self.state_rank))]
+
+    def state_error(self) -> float:
+        """The largest relative error of the predicted state bytes over the ranks."""
+        return max(abs(p - m) / m for p, m in zip(self.predicted_state_rank(), self.state_rank))
+
+    def row(self) -> dict:
+        e = self.estimate
+        return {"layout": e.layout.name(), "state_pred_mib": max(self.predicted_state_rank()) / 2**20,
+                "state_meas_mib": max(self.state_rank) / 2**20, "state_err": self.state_error(),
+                "peak_pred_mib": e.memory["total"] / 2**20, "peak_meas_mib": self.peak / 2**20,
+                "peak_kind": self.peak_kind, "step_pred_ms": 1e3 * e.time["step"],
+                "step_meas_ms": 1e3 * self.step_time}
+
+
+def run_layout(cfg: Config, est: Estimate, nproc: int, run_dir: Path, steps: int) -> Checked:
+    job = with_layout(cfg, est.layout)
+    for item in (*QUIET, f"run.steps={steps}", f"run.dir={run_dir}", "optim.warmup_steps=1"):
+        apply_override(job, item)
+    done = train_job(job, LaunchSpec(nproc=nproc))
+    rows = [json.loads(x) for x in (Path(done.run.dir) / "metrics.jsonl").read_text().splitlines() if x]
+    mem = next(r for r in rows if "memory_params_bytes" in r)
+    state = [float(sum(v)) for v in zip(mem["memory_params_bytes"], mem["memory_grads_bytes"],
+                                       mem["memory_optim_bytes"])]
+    steps_rows = [r for r in rows if "loss" in r]
+    warm = steps_rows[min(2, len(steps_rows) - 1):]  # the first steps build buckets and caches
+    return Checked(est, state, max(max(r["peak_mem_bytes_rank"]) for r in steps_rows),
+                   steps_rows[-1]["peak_mem_kind"], statistics.median(r["step_time"] for r in warm))
+
+
+def check(cfg: Config, estimates: list[Estimate], cluster: Cluster, *, steps: int = 6,
+          limit: int = 0) -> list[Checked]:
+    """Run every feasible estimate (at most ``limit`` when > 0) on ``cluster.per_node`` local
+    workers, each in its own run directory under a temporary folder."""
+    todo = [e for e in estimates if e.feasible][: limit or None]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="allhands-plan-check-") as tmp:
+        for i, est in enumerate(todo):
+            out.append(run_layout(cfg, est, cluster.per_node, Path(tmp) / f"layout-{i}", steps))
+    return out
+
+
+def format_check(rows: list[Checked]) -> str:
+    head = (f"{'layout':<28} {'state MiB pred/meas':>21} {'err':>6} {'peak MiB pred/meas':>21} "
+            f"{'step ms pred/meas':>19} {'ratio':>6}")
+    lines = [head, "-" * len(head)]
+    for c in rows:
+        r = c.row()
+        lines.append(f"{r['layout']:<28} {r['state_pred_mib']:>10.2f}/{r['state_meas_mib']:<10.2f} "
+                     f"{100 * r['state_err']:>5.1f}% {r['peak_pred_mib']:>10.1f}/{r['peak_meas_mib']:<10.1f} "
+                     f"{r['step_pred_ms']:>9.1f}/{r['step_meas_ms']:<9.1f} "
+                     f"{r['step_pred_ms'] / r['step_meas_ms']:>6.2f}")
+    if rows:
+        lines.append(f"(peak measured as {rows[0].peak_kind}; state = parameters + gradients + "
+                     f"optimizer state after step 1, per rank, the busiest shown)")
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""Per-rank memory and step time of one layout of the reference GPT on one cluster.
+
+Memory, counted the way allhands measures it (memory.py): training state from the parameters
+each rank holds (tp shards, its pipeline stage's blocks, 1/N under ZeRO; the ZeRO formulas,
+Rajbhandari et al. 2020), plus activations (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models": with SDPA no T x T matrix is stored, so about
+17 B T C values per block without recomputation, 10 with the selective policy, the block input
+with full checkpointing; / tp under sequence parallelism), in-flight pipeline microbatches
+(1F1B: pp - stage), the full parameters FSDP gathers, and the runtime's own bytes.
+
+Time: matmul FLOPs at ``gemm_eff`` of peak, element-wise traffic at memory bandwidth, a cost
+per eager op (fewer under compile, which fuses each block), ring collectives
+(all-reduce 2(n-1)/n B, all-gather/reduce-scatter (n-1)/n B) on the link their mesh dim spans,
+the part of data-parallel communication that backward/forward cannot hide, and the 1F1B bubble
+(pp - 1) microbatch times (Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from allhands.config import Config
+from allhands.flops import gpt_flops_per_token
+from allhands.plan.cluster import Cluster
+from allhands.plan.localtime import local_step
+
+# Values kept per block per token per C (see the docstring), by parallel.ac.
+ACT_PER_BLOCK = {"none": 17, "selective": 10, "block": 1}
+# Eager ops per block forward+backward and element-wise tensor passes per block (B T C each),
+# and what per-block compile leaves (one fused kernel per chain of element-wise ops).
+OPS_PER_BLOCK = {False: 60, True: 16}
+EW_PASSES = {False: 40, True: 14}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int = 1  # pipeline microbatches (1 without pp)
+    ac: str = "none"
+    compile: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def overrides(self) -> list[str]:
+        """The ``--set`` items that train this layout."""
+        return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
+                f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.zero={self.zero}",
+                f"parallel.pp_microbatches={self.microbatches if self.pp > 1 else 0}",
+                f"parallel.ac={self.ac}", f"run.compile={str(self.compile).lower()}"]
+
+    def name(self) -> str:
+        parts = [f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_shard > 1 and self.dp_replicate > 1
+                 else f"dp{self.dp}", f"zero{self.zero}"]
+        parts += [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += [f"pp{self.pp}/m{self.microbatches}"] if self.pp > 1 else []
+        parts += [f"ac:{self.ac}"] if self.ac != "none" else []
+        parts += ["compile"] if self.compile else []
+        return " ".join(parts)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float] = field(default_factory=dict)  # bytes, the busiest rank
+    state_rank: list[float] = field(default_factory=list)  # training-state bytes per pp stage
+    time: dict[str, float] = field(default_factory=dict)  # seconds per step
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    reason: str = ""  # why it cannot run; empty when it can
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+
+def _stage_blocks(n_layer: int, pp: int) -> list[int]:
+    base, extra = divmod(n_layer, pp)  # parallel/pipeline.py's balanced_split
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def stage_params(cfg: Config, pp: int, tp: int, stage: int) -> tuple[int, int]:
+    """(parameters this rank holds before data-parallel sharding, their tensor count) on pipeline
+    stage ``stage``: tp shards qkv/fc column-wise with their biases, the projections row-wise,
+    the embedding and head over the vocabulary; norms, position embedding and row biases are
+    replicated (parallel/tensor.py's plan)."""
+    m = cfg.model
+    c, v, b = m.n_embd, m.vocab_size or 257, int(m.bias)
+    blocks = _stage_blocks(m.n_layer, pp)[stage]
+    numel = blocks * ((12 * c * c + 7 * c * b) // tp + 2 * c + 4 * c * b)
+    tensors = blocks * (6 + 6 * b)
+    if stage == 0:
+        numel += v * c // tp + m.seq_len * c
+        tensors += 2
+    if stage == pp - 1:
+        numel += c + c * b
+        tensors += 1 + b
+        if not m.tie_embeddings or pp > 1:  # a separate head, or the tied copy on the last stage
+            numel += v * c // tp
+            tensors += 1
+    return numel, tensors
+
+
+def _threads(cluster: Cluster) -> int:
+    return max(1, (os.cpu_count() or 1) // cluster.per_node)
+
+
+def _ring(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring collective over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "allreduce" else 1.0) * (n - 1) / n * nbytes
+
+
+def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
+    """Bandwidth of a mesh dim's group: inter-node when its ranks span nodes. Mesh order is
+    (pp, dp_replicate, dp_shard, tp), outermost first: a dim's stride is the product of the inner ones."""
+    sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
+             "tp": layout.tp}
+    if dim == "dp":  # dp_replicate x dp_shard, adjacent in the mesh
+        span = layout.dp * layout.tp
+    else:
+        order = list(sizes)
+        span = sizes[dim]
+        for d in order[order.index(dim) + 1:]:
+            span *= sizes[d]
+    return cluster.intra_bw if span <= cluster.per_node else cluster.inter_bw
+
+
+def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estimate:
+    m, r = cfg.model, cfg.run
+    c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
+    est = Estimate(layout)
+    act_bytes = 2 if bf16 else 4
+    adam = 8 if cfg.optim.name == "adamw" else 0
+    # samples per forward on one rank: global batch / data-parallel ranks / accumulation / microbatches
+    mb = r.global_batch / (layout.dp * r.micro_batches * layout.microbatches)
+    blocks = _stage_blocks(m.n_layer, pp)
+    worst = None
+    for stage in range(pp):
+        numel, tensors = stage_params(cfg, pp, tp, stage)
+        p = 4.0 * numel
+        steps = 4.0 * tensors  # AdamW's step counter per tensor
+        if layout.zero == 0:
+            state = {"params": p, "grads": p, "optim": adam / 4 * p + steps * (adam > 0)}
+        elif layout.zero == 1:
+            state = {"params": p, "grads": p, "optim": (adam / 4 * p + steps * (adam > 0)) / n}
+        else:
+            state = {"params": p / n, "grads": p / n, "optim": (adam / 4 * p + steps * (adam > 0)) / n}
+        est.state_rank.append(sum(state.values()))
+        in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
+        per_block = ACT_PER_BLOCK[layout.ac] * mb * t * c / tp * act_bytes
+        acts = in_flight * blocks[stage] * per_block
+        if layout.ac == "block":  # one block's intermediates live again during its recompute
+            acts += ACT_PER_BLOCK["none"] * mb * t * c / tp * act_bytes
+        if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient
+            acts += 3 * mb * t * v * 4
+        block_params = 4.0 * (12 * c * c + 2 * c) / tp * (2 / 4 if bf16 and layout.zero >= 2 else 1)
+        gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
+                    2: blocks[stage] * block_params, 3: 2 * block_params}[layout.zero]
+        mem = {**state, "activations": acts, "buffers": gathered + cluster.runtime}
+        mem["total"] = sum(mem.values())
+        if worst is None or mem["total"] > worst["total"]:
+            worst = mem
+    est.memory = worst
+    usable = cluster.memory * (0.9 if cluster.device == "cuda" else 0.8)
+    if worst["total"] > usable:
+        est.reason = (f"needs {worst['total'] / 2**30:.1f} GiB per rank, {usable / 2**30:.1f} GiB "
+                      f"usable of {cluster.memory / 2**30:.1f}")
+
+    # ---- time: the busiest stage (the first one holds the remainder blocks and the embedding)
+    peak = cluster.peak(bf16)
+    tokens_mb = mb * t
+    layer_flops = (gpt_flops_per_token(n_layer=1, n_embd=c, seq_len=t, vocab_size=0)) * tokens_mb / tp
+    head_flops = 6 * v * c * tokens_mb / tp
+    stage_flops = max(blocks) * layer_flops + (head_flops if pp == 1 else head_flops / 2)
+    recompute = max(blocks) * layer_flops / 3 if layout.ac == "block" else 0.0
+    ew = EW_PASSES[layout.compile] * tokens_mb * c / tp * act_bytes * max(blocks) / cluster.mem_bw
+    ops = (OPS_PER_BLOCK[layout.compile] * max(blocks) + 30) * cluster.op_overhead
+    t_mb = (stage_flops + recompute) / (peak * cluster.gemm_eff) + ew + ops
+    compute = r.micro_batches * layout.microbatches * t_mb
+    bubble = r.micro_batches * (pp - 1) * t_mb
+    # communication per step
+    numel0, tensors0 = stage_params(cfg, pp, tp, 0)
+    pbytes = 4.0 * numel0
+    lat = cluster.latency
+    dp_bw = _bw(cluster, layout, "dp_shard" if layout.zero >= 2 else "dp")
+    gather_bytes = pbytes / 2 if bf16 and layout.zero >= 2 else pbytes
+    bwd = compute * 2 / 3
+    if layout.zero <= 1:
+        reduce = _ring("allreduce", pbytes, layout.dp) / dp_bw + lat * max(1, pbytes // 25e6)
+        hidden = min(reduce * (1 - 1 / max(1, pbytes // 25e6 + 1)), bwd)
+        exposed = reduce - hidden
+        if layout.zero == 1:  # ZeroRedundancyOptimizer hands each owner's updated parameters on
+            bcast = _ring("allgather", pbytes, n) / dp_bw + lat * tensors0
+            reduce, exposed = reduce + bcast, exposed + bcast
+    else:
+        units = max(blocks) + 1
+        ag = _ring("allgather", gather_bytes, n) / dp_bw * (2 if layout.zero == 3 else 1)
+        rs = _ring("reducescatter", pbytes, n) / dp_bw
+        hsdp = _ring("allreduce", pbytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
+        lats = lat * units * (3 if layout.zero == 3 else 2)
+        reduce = ag + rs + hsdp + lats
+        exposed = max(reduce - compute, reduce / units)  # prefetch hides all but about one unit
+    tp_comm = 0.0
+    if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
+        per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat
+        tp_comm = r.micro_batches * layout.microbatches * max(blocks) * 8 * per
+    pp_comm = 0.0
+    if pp > 1:  # activations forward, their gradients backward, per microbatch and stage boundary
+        pp_comm = r.micro_batches * layout.microbatches * 2 * (
+            lat + tokens_mb * c * act_bytes / _bw(cluster, layout, "pp"))
+    optim = (28.0 * numel0 / max(1, n if layout.zero else 1)) / cluster.mem_bw \
+        + (12 * tensors0 if cluster.device == "cpu" else 24) * cluster.op_overhead
+    step = compute + bubble + exposed + tp_comm + pp_comm + optim
+    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + pp_comm,
+                "comm_exposed": exposed + tp_comm + pp_comm, "optimizer": optim, "step": step}
+    if cluster.calib:  # this machine: composed from its calibration (localtime.py)
+        shape = [stage_params(cfg, pp, tp, s) for s in range(pp)]
+        est.time = local_step(cfg, layout, cluster.calib, blocks=blocks, numel=[x[0] for x in shape],
+                              tensors=[x[1] for x in shape], threads=_threads(cluster))
+        step = est.time["step"]
+    flops_step = gpt_flops_per_token(n_layer=m.n_layer, n_embd=c, seq_len=t, vocab_size=v) * t * r.global_batch
+    est.tokens_per_s = r.global_batch * t / step
+    est.mfu = flops_step / step / (peak * layout.world)
+    return est

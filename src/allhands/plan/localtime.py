@@ -1,0 +1,162 @@
+"""Step time of a layout on this machine's CPU workers, composed from the cached calibration
+(calibrate.py) and the matmul rate measured at the layout's own GEMM shapes: never from a
+measured step of the layout itself.
+
+Per rank and per step (1F1B over ``m`` microbatches, ``a`` accumulation steps):
+
+- compute = a m (GEMM seconds of the busiest stage's forward + backward at the shapes it runs,
+  timed here; small matrices run far below the CPU's peak) + a m blocks ``step_per_block``
+  (eager ops: dispatcher, autograd, element-wise kernels), times ``contention`` when several
+  workers share the cores, plus TP's measured cost per parallelized module and 1F1B's per
+  stage and microbatch (P2P, schedule bookkeeping);
+- bubble = a (p - 1) microbatch times (Narayanan et al. 2021, 1F1B);
+- communication = calls x alpha + bytes x beta for each collective the layout issues (DDP's
+  measured cost and its further buckets, ZeRO-1's parameter broadcasts, FSDP2's per-unit cost
+  and its gathered and reduced bytes, TP's all-gathered and reduce-scattered bytes, the
+  pipeline's sent bytes), exposed except where backward can hide it (DDP buckets before the last);
+- per step: ``step_fixed`` + ``step_per_param`` x the parameters this rank updates.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from allhands.config import Config
+from allhands.env import cache_dir
+from allhands.flops import _cpu_name
+
+DDP_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def calibration_key(nproc: int) -> str:
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    return f"{_cpu_name()}|nproc={nproc}|threads={threads}|torch {torch.__version__}"
+
+
+def calibration_path():
+    return cache_dir() / "local_calibration.json"
+
+
+def cached_calibration(nproc: int) -> dict | None:
+    """calibrate.py's figures for ``nproc`` workers on this machine, or None when not measured."""
+    try:
+        return json.loads(calibration_path().read_text()).get(calibration_key(nproc))
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_seconds(m: int, k: int, n: int, threads: int) -> float:
+    """Median seconds of ``(m, k) @ (k, n)`` in fp32 on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        reps = max(5, min(200, int(2e7 / max(1, m * k * n))))
+        for _ in range(3):
+            torch.mm(a, b)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train_mm(m: int, k: int, n: int, threads: int, count: int = 1) -> float:
+    """Forward ``(m,k)@(k,n)`` and its two backward matmuls (input and weight gradients)."""
+    return count * (_mm_seconds(m, k, n, threads) + _mm_seconds(m, n, k, threads)
+                    + _mm_seconds(k, m, n, threads))
+
+
+def gemm_seconds(cfg: Config, samples: float, tp: int, blocks: int, head: bool, threads: int = 0) -> float:
+    """Matmul seconds of one forward + backward of ``blocks`` reference-GPT blocks (and the
+    vocabulary head when ``head``) over ``samples`` sequences, sharded ``tp`` ways, at the
+    measured rate of each shape; attention as batched (T, d) x (d, T) and (T, T) x (T, d)."""
+    m = cfg.model
+    threads = threads or max(1, torch.get_num_threads())
+    c, t, v = m.n_embd, m.seq_len, m.vocab_size or 257
+    rows = max(1, int(samples * t))
+    heads = max(1, m.n_head // tp) * max(1, int(samples))
+    hd = c // m.n_head
+    block = (_train_mm(rows, c, 3 * c // tp, threads) + _train_mm(rows, c // tp, c, threads)
+             + _train_mm(rows, c, 4 * c // tp, threads) + _train_mm(rows, 4 * c // tp, c, threads)
+             + _train_mm(t, hd, t, threads, heads) + _train_mm(t, t, hd, threads, heads))
+    return blocks * block + (_train_mm(rows, c, v // tp, threads) if head else 0.0)
+
+
+def _coll(cal: dict, op: str, nbytes: float, calls: float = 1.0) -> float:
+    alpha, beta = cal[op]
+    return calls * alpha + nbytes * beta
+
+
+def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list[int],
+               tensors: list[int], threads: int) -> dict[str, float]:
+    """Seconds per step of ``layout`` (estimate.Layout) on this machine: compute, bubble,
+    communication (all exposed but the hidden DDP buckets), optimizer and loop overhead."""
+    r, mdl = cfg.run, cfg.model
+    tp, pp, n = layout.tp, layout.pp, layout.dp_shard
+    mb = r.global_batch / (layout.dp * r.micro_batches * layout.microbatches)
+    passes = r.micro_batches * layout.microbatches
+    tok_bytes = mb * mdl.seq_len * mdl.n_embd * 4.0
+    stage_t = []
+    for s in range(pp):
+        t_mb = gemm_seconds(cfg, mb, tp, blocks[s], s == pp - 1, threads) + cal["step_per_block"] * blocks[s]
+        t_mb *= cal["contention"] if layout.world > 1 else 1.0
+        if pp > 1:  # the schedule's own cost per microbatch (P2P, stage bookkeeping)
+            t_mb += cal["pp_microbatch"]
+        if tp > 1:  # parallel/tensor.py's plan: 6 parallelized modules a block (ln1, qkv, proj,
+            # ln2, fc, proj), on stage 0 tok_emb and pos_emb, on the last ln_f and lm_head; bytes
+            # of the sequence-parallel all-gather before and reduce-scatter after each half-block
+            modules = 6 * blocks[s] + 2 * (s == 0) + 2 * (s == pp - 1)
+            t_mb += cal["tp_step"] + modules * cal["tp_module"] + blocks[s] * 2 * (
+                tok_bytes / tp * cal["allgather"][1] + tok_bytes * cal["reducescatter"][1])
+        stage_t.append(t_mb)
+    busiest = max(range(pp), key=lambda s: stage_t[s])
+    t_mb = stage_t[busiest]
+    compute = passes * t_mb
+    bubble = r.micro_batches * (pp - 1) * t_mb
+    p_numel, p_tensors = numel[busiest], tensors[busiest]
+    pbytes = 4.0 * p_numel
+    bwd = compute * 2 / 3
+    comm = _coll(cal, "allreduce", 4)  # every rank's non-finite vote
+    hidden = 0.0
+    if layout.dp > 1 and layout.zero <= 1:  # DDP buckets: all but the last overlap backward
+        buckets = 1 + max(0, math.ceil((pbytes - DDP_FIRST_BUCKET) / (cfg.parallel.bucket_mb * 2 ** 20)))
+        # DDP's per-step cost and its per-parameter hooks (per half-block in the probe)
+        reduce = cal["ddp_step"] + 2 * blocks[busiest] * cal["ddp_half"] \
+            + _coll(cal, "allreduce", pbytes, buckets - 1)
+        hidden = min(reduce * (buckets - 1) / buckets, bwd)
+        comm += reduce
+        if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner
+            comm += _coll(cal, "broadcast", pbytes, p_tensors)
+    elif layout.zero >= 2:  # one FSDP2 unit per block and the root
+        units = blocks[busiest] + 1
+        gathers = 2 if layout.zero == 3 else 1
+        comm += passes * (cal[f"fsdp_step_zero{layout.zero}"] + units * cal[f"fsdp_unit_zero{layout.zero}"])
+        comm += passes * (gathers * pbytes * cal["allgather"][1] + pbytes * cal["reducescatter"][1])
+        comm += 2 * _coll(cal, "allreduce", 4)  # the sharded gradient norm, its full_tensor
+        if layout.dp_replicate > 1:
+            comm += _coll(cal, "allreduce", pbytes / n, units)
+    if tp > 1:
+        comm += _coll(cal, "allreduce", 4, 2)  # the norm over tp shards
+    if pp > 1:  # activation and gradient bytes (the hops' latency is in pp_microbatch)
+        comm += passes * 2 * tok_bytes / tp * cal["sendrecv"][1]
+        comm += _coll(cal, "allreduce", 4) + (_coll(cal, "allreduce", 4.0 * (mdl.vocab_size or 257)
+                                                    * mdl.n_embd / tp) if mdl.tie_embeddings else 0.0)
+    shard = n if layout.zero >= 1 else 1
+    optim = cal["step_fixed"] + cal["step_per_param"] * p_numel / shard
+    if layout.zero >= 2 or tp > 1:  # the update runs over DTensor parameters
+        optim += cal["dtensor_update_tensor"] * p_tensors
+    step = compute + bubble + comm - hidden + optim
+    return {"compute": compute, "bubble": bubble, "comm": comm, "comm_exposed": comm - hidden,
+            "optimizer": optim, "step": step}
