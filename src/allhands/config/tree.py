@@ -76,7 +76,8 @@ class ParallelConfig:
 
     dp_replicate: int = _f(-1, "data-parallel replicas; -1 = the rest of the workers (all of them by default)")
     sync: str = _f("allreduce", "how replicas reconcile: allreduce (every step), diloco, "
-                   "local_sgd (both sync every sync.inner_steps over dp_replicate) or auto (measured; see README)")
+                   "local_sgd (both sync every sync.inner_steps over dp_replicate), ps (parameter servers: "
+                   "see the ps section) or auto (measured; see README)")
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
@@ -112,6 +113,21 @@ class SyncConfig:
                                 "predicted to take longer than this (seconds), > 0")
     sync_warmup_steps: int = _f(0, "diloco/local_sgd: synchronous data-parallel steps before the "
                                 "first round (post-local SGD), >= 0")
+
+
+@dataclass
+class PSConfig:
+    """parallel.sync = "ps": parameter servers (the last ``servers`` ranks) and workers (sync/ps.py)."""
+
+    servers: int = _f(1, "server processes, the job's last ranks; the other ranks are workers, >= 1")
+    mode: str = _f("sync", "sync (every step averages all workers' gradients: DDP's update), async "
+                   "(Downpour SGD) or ssp (async, bounded by max_staleness)")
+    max_staleness: int = _f(2, "ssp: a worker more than this many steps ahead of the slowest waits, >= 0")
+    push_every: int = _f(1, "async/ssp: push the summed gradients every this many steps, >= 1")
+    fetch_every: int = _f(1, "async/ssp: pull fresh parameters every this many steps, >= 1")
+    optimizer: str = _f("auto", "server optimizer: auto (the optim section's), or a torch.optim "
+                        "class name, e.g. Adagrad (DistBelief's choice for async)")
+    lr: float = _f(0.0, "server learning rate; 0 = optim.lr; the optim schedule scales it either way")
 
 
 @dataclass
@@ -189,6 +205,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
