@@ -10,12 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
+import torch.distributed.checkpoint as dcp
+
+from allhands.checkpoint import committed
+from allhands.checkpoint.export import checkpoint_weights
+from allhands.checkpoint.safe import SafeFileSystemReader
 from allhands.config import ConfigError, validate
+from allhands.data import GlobalSampler, load_token_splits
+from allhands.data.sampler import collate
 from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.sync.ps_rows import RowShard, draw_rows
 from allhands.sync.ps_wire import plan_shards
+from allhands.trainer import Job, build_reference_model
 
 from conftest import tiny_config
-from test_parity import assert_matches_reference, reference_params, trained_params
+from test_parity import (assert_matches_reference, max_rel_diff, reference_params,
+                         trained_params)
 
 
 def test_plan_balances_bytes_and_splits_large_tensors():
@@ -100,3 +110,147 @@ def test_sync_mode_resume_is_exact(token_dir, tmp_path):
     b = trained_params(done)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (cut / "ps-checkpoints" / "step-00000004").is_dir()
+
+
+# -- embedding tables moved by row (sync/ps_rows.py)
+
+def _row_step_vs_dense(opt_cls, touched_per_step, **kw):
+    """A RowShard stepped with the rows ``touched_per_step`` against torch's dense optimizer on
+    the whole table with the same gradients (zero on untouched rows)."""
+    torch.manual_seed(0)
+    table = torch.randn(10, 3)
+    dense = torch.nn.Parameter(table.clone())
+    dopt = opt_cls([dense], lr=0.1, **kw)
+    shard = RowShard(0, 10, table.clone(), lambda ps: opt_cls(ps, lr=0.1, **kw))
+    for ids in touched_per_step:
+        ids = torch.tensor(ids)
+        g = torch.randn(len(ids), 3)
+        dense.grad = torch.zeros(10, 3).index_copy_(0, ids, g)
+        dopt.step()
+        shard.step(shard.param(ids, g), ids, 0.1)
+    return dense.detach(), shard.rows
+
+
+def test_row_shard_updates_only_touched_rows_as_the_dense_optimizer_would():
+    # Adagrad (no weight decay): a zero gradient changes neither a row nor its state, so the
+    # lazy row-wise update is the dense one exactly, untouched rows and all.
+    steps = [[1, 4, 7], [0, 4], [4, 9, 2]]
+    dense, rows = _row_step_vs_dense(torch.optim.Adagrad, steps)
+    assert torch.equal(dense, rows)
+    # AdamW: the dense update whenever every row is touched...
+    dense, rows = _row_step_vs_dense(torch.optim.AdamW, [list(range(10))] * 3, weight_decay=0.1)
+    assert torch.equal(dense, rows)
+    # ...and lazy otherwise: an untouched row keeps its value (no decay, no momentum).
+    torch.manual_seed(0)
+    start = torch.randn(10, 3)
+    dense, rows = _row_step_vs_dense(torch.optim.AdamW, [[1, 2], [1, 3]], weight_decay=0.1)
+    assert torch.equal(rows[5], start[5]) and not torch.equal(dense[5], start[5])
+    assert not torch.equal(rows[2], dense[2])  # touched once, then carried by momentum in the dense one
+
+
+def test_rows_drawn_on_servers_do_not_depend_on_the_server_count():
+    whole = draw_rows(0, 10_000, 4, 0.5, seed=3)
+    parts = torch.cat([draw_rows(0, 3_000, 4, 0.5, seed=3), draw_rows(3_000, 10_000, 4, 0.5, seed=3)])
+    assert torch.equal(whole, parts) and abs(float(whole.std()) - 0.5) < 0.02
+
+
+def server_tables(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The tables of the servers' last checkpoint, ``{parameter index: rows}`` (ps-checkpoints)."""
+    _, path = committed(run_dir / "ps-checkpoints")[-1]
+    meta = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+          if ".tables." in k and k.rsplit(".", 1)[1] in ("rows", "start")}
+    dcp.load(sd, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    pieces: dict[int, list] = {}
+    for k, v in sd.items():
+        if k.endswith(".rows"):
+            param = int(k.split(".tables.")[1].split(".")[0])
+            pieces.setdefault(param, []).append((int(sd[k[:-len("rows")] + "start"]), v))
+    return {p: torch.cat([v for _, v in sorted(ps, key=lambda x: x[0])]) for p, ps in pieces.items()}
+
+
+def test_sparse_tables_move_only_touched_rows_and_train_like_the_dense_path(token_dir, tmp_path):
+    """Untied token and position embeddings as tables over 2 servers, 2 workers, sync mode:
+    every row fetched or pushed is one the worker's batch used (counted against the batches
+    themselves), and the parameters equal the single-process dense SGD's. SGD without weight
+    decay, as Adagrad, makes the lazy row update the dense one exactly (the unit test above);
+    Adagrad here would compare its normalised steps of rounding-noise gradients instead."""
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.servers=2", "ps.sparse=auto",
+                      "optim.name=sgd", "optim.lr=0.5", "optim.weight_decay=0",
+                      "model.tie_embeddings=false", "data.eval_batches=0")
+    done = train_job(cfg, LaunchSpec(nproc=4))
+    train, _, meta = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    sampler = GlobalSampler(len(train), cfg.run.global_batch, cfg.data.seed)
+    rows = 0  # rows each step's batches use, per worker: distinct tokens, and every position
+    for step in range(cfg.run.steps):
+        for rank in range(2):
+            (idx,) = sampler.local_micro_batches(step, rank, 2, 1)
+            x, _ = collate(train, idx)
+            rows += len(torch.unique(x)) + x.shape[1]
+    stats = _servers(done)
+    d = cfg.model.n_embd
+    assert sum(s["rows_fetched"] for s in stats) == rows == sum(s["rows_pushed"] for s in stats)
+    assert sum(s["row_bytes_out"] for s in stats) == rows * d * 4  # the rows fetched
+    assert sum(s["row_bytes_in"] for s in stats) == rows * 8 * 2 + rows * d * 4  # ids twice, grads
+    ref = reference_params(done)
+    got = trained_params_without_tables(done)
+    names = list(ref)
+    tables = server_tables(Path(done.run.dir))
+    n_dense = len(names) - 2
+    got["tok_emb.weight"], got["pos_emb.weight"] = tables[n_dense], tables[n_dense + 1]
+    assert tables[n_dense].shape == (meta["vocab_size"], d)
+    assert max_rel_diff(got, ref) <= 1e-5
+    torch.manual_seed(cfg.run.seed)
+    init = build_reference_model(cfg, meta["vocab_size"]).state_dict()
+    assert max_rel_diff({"t": got["tok_emb.weight"]}, {"t": init["tok_emb.weight"]}) > 1e-3  # it trained
+    assert sum(s["shard_bytes"] for s in stats) == 4 * sum(v.numel() for k, v in ref.items()
+                                                           if not k.endswith("emb.weight"))
+
+
+def trained_params_without_tables(cfg) -> dict[str, torch.Tensor]:
+    _, path = committed(Path(cfg.run.dir) / "checkpoints")[-1]
+    return checkpoint_weights(path)
+
+
+TABLE_ROWS = 1 << 20
+
+
+class ClickModel(torch.nn.Module):
+    """A click model whose table is built on the meta device: no worker can hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(TABLE_ROWS, 8, mode="sum", device="meta")
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the worker holds only the rows this batch uses, fetched from the servers
+        assert all(p.numel() < TABLE_ROWS for p in self.parameters()), "the worker holds the table"
+        assert sum(r.shape[0] for _, r in self.emb._ps_table.touched) < 64
+        return self.head(self.emb(x)).squeeze(-1)
+
+
+def click_model(cfg):
+    return ClickModel()
+
+
+def click_data(cfg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, TABLE_ROWS, (96, 4), generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] % 2).float())
+
+
+def click_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+
+
+def test_table_built_on_meta_lives_on_the_servers_only(token_dir, tmp_path):
+    """An EmbeddingBag built on the meta device trains in async mode: the workers never allocate
+    it (ClickModel.forward checks), the server draws it and updates the rows pushed."""
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.sparse=auto", "ps.mode=async",
+                      "ps.optimizer=Adagrad", "run.steps=3", "log.interval=3", "data.eval_batches=0")
+    done = train_job(cfg, LaunchSpec(nproc=3), job=Job(model=click_model, data=click_data, loss=click_loss))
+    (stats,) = _servers(done)
+    assert stats["table_bytes"] == TABLE_ROWS * 8 * 4
+    assert stats["updates"] == stats["pushes"] == 2 * cfg.run.steps
+    assert 0 < stats["rows_pushed"] <= 2 * cfg.run.steps * 6 * 4  # 6 samples of 4 ids per step

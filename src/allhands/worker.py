@@ -4,6 +4,7 @@ recorded for the launcher's one-line summary."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from allhands.config import Config, validate
 from allhands.env import worker_env
 from allhands.errors import AllhandsError
 from allhands.mesh import Mesh
+from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
 from allhands.trainer import Job, Trainer
@@ -33,13 +35,32 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
         if roles.server:
             return run_ps_server(cfg, roles, env.local_rank)
         rank, world, store = roles.index, roles.size, roles.role_store
+        job = ps_job(cfg, job or Job())
     mesh = Mesh.build(rank=rank, world_size=world, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
                       dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s, store=store)
     try:
-        return Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir)).fit()
+        trainer = Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir))
+        result = trainer.fit()
+        if p.sync == "ps":  # after the last evaluation, which fetches embedding rows too
+            trainer.strategy.finish()
+        return result
     finally:
         mesh.destroy()
+
+
+def ps_job(cfg: Config, job: Job) -> Job:
+    """A user's model with its embedding tables detached as soon as it is built: one built on
+    the meta device is never allocated here (the trainer's ``.to(device)`` would fail on it)."""
+    if job.model is None:
+        return job  # the reference GPT's tables are detached when the strategy wraps it
+    build = job.model
+    return dataclasses.replace(job, model=lambda c: _detached(build(c), c.ps.sparse))
+
+
+def _detached(model, sparse: str):
+    detach_tables(model, sparse)
+    return model
 
 
 def run_ps_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:

@@ -128,6 +128,11 @@ class PSConfig:
     optimizer: str = _f("auto", "server optimizer: auto (the optim section's), or a torch.optim "
                         "class name, e.g. Adagrad (DistBelief's choice for async)")
     lr: float = _f(0.0, "server learning rate; 0 = optim.lr; the optim schedule scales it either way")
+    sparse: str = _f("none", "embedding tables moved by row (the servers keep them: worker checkpoints "
+                     "and export leave them out): none, auto (every nn.Embedding/EmbeddingBag weight "
+                     "no other module uses) or comma-separated parameter names")
+    row_init_std: float = _f(0.02, "a table built on the meta device starts from N(0, row_init_std), "
+                             "drawn on the servers, >= 0")
 
 
 @dataclass

@@ -285,6 +285,8 @@ def _validate_ps(cfg: Config) -> None:
                "aggregates every worker's gradient); use ps.mode=async or ssp", v)
     _check(q.lr >= 0, "ps.lr", "must be >= 0 (0 = optim.lr)", q.lr)
     _check(bool(q.optimizer), "ps.optimizer", "must be auto or a torch.optim class name", q.optimizer)
+    _check(bool(q.sparse.strip()), "ps.sparse", "must be auto, none or parameter names", q.sparse)
+    _check(q.row_init_std >= 0, "ps.row_init_std", "must be >= 0", q.row_init_std)
     # The servers hold the whole model as flat pieces and workers whole replicas: data
     # parallelism only.
     for dim in ("pp", "tp", "dp_shard"):

@@ -14,6 +14,10 @@ One request at a time, in arrival order (gloo's ``recv_anysource``):
   ahead of the slowest active worker's (Ho et al. 2013); ``clock_gap`` records that distance
   when a worker is let go, so it never exceeds the bound.
 
+Embedding tables (sync/ps_rows.py): this server's row range of each, updated by row; a ROWS
+request is answered at once with the current rows, in every mode (a worker in sync mode asks
+for step t+1's rows only after step t's reply, so after step t's update).
+
 Checkpoints: on worker 0's SAVE (sent when it saves), the shard (parameters, optimizer state,
 version) goes through the job's Checkpointer over the servers' group; on INIT a server restores
 the shard saved at the workers' resume step if it has one, else takes worker 0's values with
@@ -35,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.config import Config
 from allhands.errors import ConfigError
-from allhands.sync import ps_wire as w
+from allhands.sync import ps_rows, ps_wire as w
 
 SaveFn = Callable[[int, dict[str, Stateful]], None]
 LoadFn = Callable[[int, dict[str, Stateful]], bool]
@@ -67,13 +71,16 @@ class Shard(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         s = self.server
-        _init_optim_state(s.opt)  # lazily created state: a load needs its shapes
-        for p in s.pieces:
-            p.grad = None
-        optim = {f"{k}.{field}": v for k, p in enumerate(s.pieces)
-                 for field, v in s.opt.state[p].items() if isinstance(v, torch.Tensor)}
+        optim = {}
+        if s.opt is not None:
+            _init_optim_state(s.opt)  # lazily created state: a load needs its shapes
+            for p in s.pieces:
+                p.grad = None
+            optim = {f"{k}.{field}": v for k, p in enumerate(s.pieces)
+                     for field, v in s.opt.state[p].items() if isinstance(v, torch.Tensor)}
         return {f"server{s.roles.index}": {"params": s.flat, "version": torch.tensor(s.version),
-                                           "optim": optim}}
+                                           "optim": optim,
+                                           "tables": {str(k): t.state() for k, t in s.tables.items()}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.server
@@ -84,6 +91,8 @@ class Shard(Stateful):
         for key, v in mine["optim"].items():
             k, field = key.split(".", 1)
             s.opt.state[s.pieces[int(k)]][field].copy_(v)
+        for k, t in s.tables.items():
+            t.load(mine["tables"][str(k)])
 
 
 class Server:
@@ -96,10 +105,14 @@ class Server:
         self.clocks = [0] * roles.n_workers
         self.active = set(range(roles.n_workers))
         self.flat: torch.Tensor | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.tables: dict[int, ps_rows.RowShard] = {}  # by parameter index
         self.round: dict[int, torch.Tensor] = {}  # sync: this step's pushes by worker
         self.waiting: list[tuple[int, int, bool]] = []  # (worker, clock, with params) replies due
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "pulls": 0, "skipped": 0,
                                       "bytes_in": 0, "bytes_out": 0, "busy_s": 0.0,
+                                      "rows_fetched": 0, "rows_pushed": 0, "row_bytes_in": 0,
+                                      "row_bytes_out": 0,
                                       "staleness": collections.Counter(),
                                       "clock_gap": collections.Counter()}
 
@@ -132,42 +145,84 @@ class Server:
             if self.save is not None:
                 self.save(clock, {"ps": Shard(self)})
             return
+        if flags & w.ROWS:
+            self._serve_rows(src, int(hdr[5]), int(hdr[6]))
+            return
         self.clocks[src] = max(self.clocks[src], clock)
         pull = bool(flags & w.PULL)
         if flags & w.PUSH:
-            grad = torch.empty_like(self.flat)
-            w.recv(self.pg, grad, src, w.TAG_GRAD).wait()
+            grad = self._recv(torch.empty_like(self.flat), src, w.TAG_GRAD)
+            rows = self._recv_rows(src)
             self.stats["pushes"] += 1
-            self.stats["bytes_in"] += grad.numel() * grad.element_size()
             if self.q.mode == "sync":
-                self.round[src] = grad
+                self.round[src] = (grad, rows)
                 self.waiting.append((src, clock, pull))
                 if len(self.round) == self.roles.n_workers:
                     self._apply_round(float(hdr[2]))
                 return
             self.stats["staleness"][self.version - int(hdr[4])] += 1
-            self._update(grad, float(hdr[2]), float(hdr[3]))
+            self._update(grad, rows, float(hdr[2]), float(hdr[3]))
         if pull or flags & w.TICK:
             self.waiting.append((src, clock, pull))
         self._release()
 
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        if t.numel():  # an empty piece is never sent (ps.py)
+            w.recv(self.pg, t, src, tag).wait()
+            self.stats["bytes_in"] += t.numel() * t.element_size()
+        return t
+
     def _init(self, src: int, clock: int, count: int) -> None:
-        table = torch.empty(count, 4, dtype=torch.int64)
+        table = torch.empty(count, 6, dtype=torch.int64)
         w.recv(self.pg, table, src, w.TAG_INIT).wait()
-        sizes = (table[:, 2] - table[:, 1]).tolist()
-        self.flat = torch.empty(sum(sizes))
-        w.recv(self.pg, self.flat, src, w.TAG_GRAD).wait()
+        rows = table.tolist()
+        dense = [r for r in rows if r[4] == 0]
+        sizes = [r[2] - r[1] for r in dense]
+        self.flat = self._recv(torch.empty(sum(sizes)), src, w.TAG_GRAD)
         # Pieces are views of one flat buffer (what a pull sends); the optimizer steps them.
         self.pieces = [torch.nn.Parameter(v) for v in self.flat.split(sizes)]
-        decay = [p for p, row in zip(self.pieces, table.tolist()) if row[3] >= 2]
-        no_decay = [p for p, row in zip(self.pieces, table.tolist()) if row[3] < 2]
-        self.opt = server_optimizer(self.cfg, decay, no_decay, self.cfg.ps.lr or self.cfg.optim.lr)
+        lr = self.cfg.ps.lr or self.cfg.optim.lr
+        decay = [p for p, row in zip(self.pieces, dense) if row[3] >= 2]
+        no_decay = [p for p, row in zip(self.pieces, dense) if row[3] < 2]
+        self.opt = server_optimizer(self.cfg, decay, no_decay, lr) if self.pieces else None
+        sent = [r for r in rows if r[4] and r[5]]
+        values = self._recv(torch.empty(sum((r[2] - r[1]) * r[4] for r in sent)), src, w.TAG_ROWS)
+        values = iter(values.split([(r[2] - r[1]) * r[4] for r in sent]))
+        for param, start, stop, _, width, given in (r for r in rows if r[4]):
+            init = (next(values).view(stop - start, width).clone() if given else
+                    ps_rows.draw_rows(start, stop, width, self.q.row_init_std, self.cfg.run.seed * 7919 + param))
+            self.tables[param] = ps_rows.RowShard(
+                start, stop, init, lambda ps, lr=lr: server_optimizer(self.cfg, ps, [], lr))
         self.clocks = [clock] * self.roles.n_workers
         if self.load is not None:
             self.load(clock, {"ps": Shard(self)})
             for p in self.pieces:
                 p.grad = None
         self._release()
+
+    def _serve_rows(self, src: int, param: int, n: int) -> None:
+        ids = self._recv(torch.empty(n, dtype=torch.int64), src, w.TAG_IDS)
+        rows = self.tables[param].lookup(ids)
+        w.send(self.pg, rows, src, w.TAG_ROWS).wait()
+        self.stats["rows_fetched"] += n
+        self.stats["row_bytes_in"] += ids.numel() * 8
+        self.stats["row_bytes_out"] += rows.numel() * 4
+        self.stats["bytes_out"] += rows.numel() * 4
+
+    def _recv_rows(self, src: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A push's gradient rows: ``{table parameter: (global row ids, rows)}``."""
+        if not self.tables:
+            return {}
+        counts = torch.empty(len(self.tables), dtype=torch.int64)
+        w.recv(self.pg, counts, src, w.TAG_COUNTS).wait()
+        widths = [t.rows.shape[1] for t in self.tables.values()]
+        ids = self._recv(torch.empty(int(counts.sum()), dtype=torch.int64), src, w.TAG_IDS)
+        vals = self._recv(torch.empty(sum(c * d for c, d in zip(counts.tolist(), widths))), src, w.TAG_ROWS)
+        self.stats["rows_pushed"] += ids.numel()
+        self.stats["row_bytes_in"] += ids.numel() * 8 + vals.numel() * 4
+        return {k: (i, v.view(-1, d)) for k, i, v, d in zip(
+            self.tables, ids.split(counts.tolist()), vals.split([c * d for c, d in zip(counts.tolist(), widths)]),
+            widths)}
 
     def _release(self) -> None:
         """Answer the replies that may go: all of them, except under ssp a worker too far ahead."""
@@ -189,35 +244,49 @@ class Server:
         w.send(self.pg, torch.tensor([self.version, 0, 0, 0], dtype=torch.float64), dst, w.TAG_REP).wait()
         if with_params:
             self.stats["pulls"] += 1
-            self.stats["bytes_out"] += self.flat.numel() * self.flat.element_size()
-            w.send(self.pg, self.flat, dst, w.TAG_PARAM).wait()
+            if self.flat.numel():
+                self.stats["bytes_out"] += self.flat.numel() * self.flat.element_size()
+                w.send(self.pg, self.flat, dst, w.TAG_PARAM).wait()
 
     # -- updates
     def _apply_round(self, lr: float) -> None:
-        total = self.round[0].clone()
-        for k in range(1, self.roles.n_workers):
-            total += self.round[k]
-        total /= self.roles.n_workers
+        n = self.roles.n_workers
+        total = self.round[0][0].clone()
+        for k in range(1, n):
+            total += self.round[k][0]
+        total /= n
+        rows = {}  # each table's rows summed in worker order (index_add_ in order), averaged
+        for t in self.tables:
+            ids, g = ps_rows.coalesce(torch.cat([self.round[k][1][t][0] for k in range(n)]),
+                                      torch.cat([self.round[k][1][t][1] for k in range(n)]))
+            rows[t] = (ids, g / n)
         self.round = {}
-        sq = torch.nn.utils.get_total_norm(list(total.split([p.numel() for p in self.pieces]))) ** 2
+        sq = torch.nn.utils.get_total_norm(list(total.split([p.numel() for p in self.pieces])) +
+                                           [g for _, g in rows.values()]) ** 2
         if self.roles.n_servers > 1:
             dist.all_reduce(sq)  # the norm of the whole averaged gradient, over every server's shard
-        self._update(total, lr, float(sq.sqrt()))
+        self._update(total, rows, lr, float(sq.sqrt()))
         self._release()
 
     @torch.no_grad()
-    def _update(self, grad: torch.Tensor, lr: float, norm: float) -> None:
+    def _update(self, grad: torch.Tensor, rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                lr: float, norm: float) -> None:
         if not torch.isfinite(torch.tensor(norm)):
             self.stats["skipped"] += 1  # as the loop's guard skips a non-finite step
             return
         for p, g in zip(self.pieces, grad.split([p.numel() for p in self.pieces])):
             p.grad = g
+        touched = [(self.tables[t], ids, self.tables[t].param(ids, g)) for t, (ids, g) in rows.items() if len(ids)]
         clip = self.cfg.optim.grad_clip
         if clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.pieces, clip, torch.tensor(norm))
-        for group in self.opt.param_groups:
-            group["lr"] = lr * self.lr_scale
-        self.opt.step()
+            torch.nn.utils.clip_grads_with_norm_(self.pieces + [q for _, _, q in touched], clip,
+                                                 torch.tensor(norm))
+        if self.opt is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr * self.lr_scale
+            self.opt.step()
+        for shard, ids, q in touched:
+            shard.step(q, ids, lr * self.lr_scale)
         for p in self.pieces:
             p.grad = None
         self.version += 1
@@ -228,7 +297,7 @@ class Server:
         for k in ("staleness", "clock_gap"):
             out[k] = {str(v): n for v, n in sorted(self.stats[k].items())}
         out.update(server=self.roles.index, shard_bytes=self.flat.numel() * 4 if self.flat is not None else 0,
-                   version=self.version)
+                   table_bytes=sum(t.rows.numel() * 4 for t in self.tables.values()), version=self.version)
         return out
 
 

@@ -8,7 +8,9 @@ trainer's collectives span the workers only and the servers' checkpoint collecti
 only), and one gloo group over every rank carries the point-to-point traffic between them.
 
 Messages are plain tensors sent with gloo's ``send``/``recv`` (nothing is pickled): a request
-header of 8 float64 from a worker, then its payload; a reply header of 4 float64 from a server,
+header of 8 float64 from a worker, then its payload (a push: the dense gradient pieces, then
+for embedding tables (sync/ps_rows.py) the row count per table piece, the row ids and the
+gradient rows; a ROWS fetch: the ids, answered with the rows); a reply header of 4 float64 from a server,
 then the parameters. Float64 holds every clock, version and count exactly (below 2**53).
 """
 
@@ -22,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 # Request flags (a worker's header[0]); several may be set in one request.
-PUSH, PULL, INIT, DONE, SAVE, TICK = 1, 2, 4, 8, 16, 32
+PUSH, PULL, INIT, DONE, SAVE, TICK, ROWS = 1, 2, 4, 8, 16, 32, 64
 # Tags keep the streams of one pair of ranks apart.
-TAG_REQ, TAG_GRAD, TAG_REP, TAG_PARAM, TAG_INIT = 1, 2, 3, 4, 5
+TAG_REQ, TAG_GRAD, TAG_REP, TAG_PARAM, TAG_INIT, TAG_COUNTS, TAG_IDS, TAG_ROWS = 1, 2, 3, 4, 5, 6, 7, 8
 REQ_LEN, REP_LEN = 8, 4
 
 
@@ -61,7 +63,8 @@ def ps_roles(servers: int, rank: int, world: int, timeout_s: float) -> Roles:
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements ``[start, stop)`` of the flattened trainable parameter ``param``, on ``server``."""
+    """Elements ``[start, stop)`` of the flattened trainable parameter ``param``, on ``server``
+    (for an embedding table: rows ``[start, stop)``)."""
 
     param: int
     start: int
@@ -100,8 +103,9 @@ def server_pieces(plan: list[Piece], server: int) -> list[Piece]:
 
 
 def request(flags: int, clock: int, lr: float = 0.0, norm: float = 0.0, version: int = 0,
-            count: int = 0) -> torch.Tensor:
-    return torch.tensor([flags, clock, lr, norm, version, count, 0, 0], dtype=torch.float64)
+            count: int = 0, rows: int = 0) -> torch.Tensor:
+    """``count``: INIT's pieces, or the table a ROWS fetch reads; ``rows``: the ids that follow."""
+    return torch.tensor([flags, clock, lr, norm, version, count, rows, 0], dtype=torch.float64)
 
 
 def send(pg: dist.ProcessGroup, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
