@@ -162,7 +162,8 @@ class FaultConfig:
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
                          "exception, oom, hang, nan, ckpt (kill during the checkpoint write), "
-                         "flake (gloo's connectFullMesh error before the first step)")
+                         "flake (gloo's connectFullMesh error before the first step), slow=F "
+                         "(from STEP on, every step F times as long: a straggler)")
     node_timeout_s: float = _f(15.0, "multi-node: a node whose agent sent no keep-alive for this long "
                                      "is dropped from the rendezvous (a lost host), >= 3")
     rdzv_last_call_s: float = _f(10.0, "multi-node --nnodes MIN:MAX: once MIN nodes joined a "
