@@ -19,6 +19,7 @@ from allhands.config import ConfigError, validate
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.report import make_report, read_metrics
 from allhands.sync.ps_rows import RowShard, draw_rows
 from allhands.sync.ps_wire import plan_shards
 from allhands.trainer import Job, build_reference_model
@@ -92,6 +93,12 @@ def test_async_loses_no_update_and_ssp_bounds_staleness(token_dir, tmp_path, mod
     assert stats["updates"] == stats["pushes"] == 2 * cfg.run.steps
     if mode == "ssp":
         assert max(int(g) for g in stats["clock_gap"]) <= 1
+    assert [len(t) for t in stats["push_t"].values()] == [cfg.run.steps] * 2
+    # per-server load and bytes beside the step times, and the staleness histogram in the report
+    (line,) = [r for r in read_metrics(Path(done.run.dir)) if "ps_server" in r]
+    assert line["ps_pushes"] == stats["pushes"] and line["ps_bytes_in"] == stats["bytes_in"] > 0
+    assert 0 < line["ps_load"] <= 1 and line["ps_staleness"] == stats["staleness"]
+    assert Path(done.run.dir) / "report" / "ps.png" in make_report(Path(done.run.dir))
 
 
 def test_sync_mode_resume_is_exact(token_dir, tmp_path):

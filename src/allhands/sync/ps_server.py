@@ -114,11 +114,13 @@ class Server:
                                       "rows_fetched": 0, "rows_pushed": 0, "row_bytes_in": 0,
                                       "row_bytes_out": 0,
                                       "staleness": collections.Counter(),
+                                      # seconds since start of each worker's pushes (throughput)
+                                      "push_t": {k: [] for k in range(roles.n_workers)},
                                       "clock_gap": collections.Counter()}
 
     # -- the loop
     def run(self) -> dict[str, Any]:
-        t_start = time.perf_counter()
+        t_start = self.t0 = time.perf_counter()
         while self.active:
             hdr = torch.empty(w.REQ_LEN, dtype=torch.float64)
             work = self.pg.recv_anysource([hdr], w.TAG_REQ)
@@ -154,6 +156,7 @@ class Server:
             grad = self._recv(torch.empty_like(self.flat), src, w.TAG_GRAD)
             rows = self._recv_rows(src)
             self.stats["pushes"] += 1
+            self.stats["push_t"][src].append(round(time.perf_counter() - self.t0, 6))
             if self.q.mode == "sync":
                 self.round[src] = (grad, rows)
                 self.waiting.append((src, clock, pull))
@@ -304,9 +307,18 @@ class Server:
 def serve(cfg: Config, roles: w.Roles, pg: dist.ProcessGroup, run_dir: Path, *,
           save: SaveFn | None = None, load: LoadFn | None = None) -> dict[str, Any]:
     """Run this server until every worker is done; its statistics go to ``ps/server<i>.json``
-    in the run directory (per-server load, bytes, staleness histogram)."""
+    in the run directory (per-server load, bytes, staleness histogram, push times), and its
+    load and bytes as one line of metrics.jsonl (appended after worker 0 closed it: the servers
+    finish only after every worker's loop has)."""
     stats = Server(cfg, roles, pg, save=save, load=load).run()
     out = run_dir / "ps"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"server{roles.index}.json").write_text(json.dumps(stats, indent=1) + "\n")
+    line = {"step": stats["version"], "ps_server": roles.index,
+            "ps_load": stats["busy_s"] / max(stats["wall_s"], 1e-12),
+            **{f"ps_{k}": stats[k] for k in ("updates", "pushes", "pulls", "bytes_in", "bytes_out",
+                                             "rows_fetched", "rows_pushed", "staleness", "clock_gap")},
+            "time": time.time()}
+    with open(run_dir / "metrics.jsonl", "a") as f:  # one write of one line: O_APPEND keeps it whole
+        f.write(json.dumps(line) + "\n")
     return stats
