@@ -261,3 +261,33 @@ def test_table_built_on_meta_lives_on_the_servers_only(token_dir, tmp_path):
     assert stats["table_bytes"] == TABLE_ROWS * 8 * 4
     assert stats["updates"] == stats["pushes"] == 2 * cfg.run.steps
     assert 0 < stats["rows_pushed"] <= 2 * cfg.run.steps * 6 * 4  # 6 samples of 4 ids per step
+
+
+@pytest.mark.parametrize("who", ["worker", "server"])
+def test_killed_worker_or_server_is_recovered_exactly_in_sync_mode(token_dir, tmp_path, who):
+    """SIGKILL of worker 1 in step 3, or of the server (rank 2) in its 3rd update: torch's
+    elastic agent restarts every process, workers resume from the step-2 checkpoint and the
+    server restores its shard saved there, so the job ends on the single-process reference."""
+    rank = {"worker": 1, "server": 2}[who]
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "checkpoint.interval=2",
+                      f"fault.inject={rank}:3:SIGKILL", "fault.max_restarts=1", "fault.backoff_s=0.1")
+    done = train_job(cfg, LaunchSpec(nproc=3))
+    assert (Path(done.run.dir) / "faults" / f"{rank}-3-SIGKILL").exists()  # it did fire
+    assert_matches_reference(done, f"ps sync, {who} killed at step 3")
+
+
+def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, tmp_path):
+    """Async mode: torch's elastic agent stops every process when one dies, so a killed worker
+    does not leave the others training; all restart from the last checkpoint (the servers from
+    their shards saved there) and the job finishes. Not exact: async updates race."""
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=async", "log.interval=4",
+                      "checkpoint.interval=2", "fault.inject=0:3:SIGKILL", "fault.max_restarts=1",
+                      "fault.backoff_s=0.1")
+    done = train_job(cfg, LaunchSpec(nproc=3))
+    run_dir = Path(done.run.dir)
+    assert (run_dir / "faults" / "0-3-SIGKILL").exists()
+    assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == cfg.run.steps
+    (stats,) = _servers(done)
+    # every push of the restarted attempt applied: from step 2, or from the start when worker 0
+    # died before the step-2 save committed
+    assert stats["pushes"] == stats["updates"] in (2 * (cfg.run.steps - 2), 2 * cfg.run.steps)

@@ -18,6 +18,10 @@ Embedding tables (sync/ps_rows.py): this server's row range of each, updated by 
 request is answered at once with the current rows, in every mode (a worker in sync mode asks
 for step t+1's rows only after step t's reply, so after step t's update).
 
+Faults (``fault.inject``, RANK = the server's rank in the job): a server fails while applying
+update STEP (its version + 1), as a worker fails mid-step; torch's elastic agent then restarts
+every process, and the servers restore their shards from the last checkpoint.
+
 Checkpoints: on worker 0's SAVE (sent when it saves), the shard (parameters, optimizer state,
 version) goes through the job's Checkpointer over the servers' group; on INIT a server restores
 the shard saved at the workers' resume step if it has one, else takes worker 0's values with
@@ -39,6 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.config import Config
 from allhands.errors import ConfigError
+from allhands.faults import FaultInjector
 from allhands.sync import ps_rows, ps_wire as w
 
 SaveFn = Callable[[int, dict[str, Stateful]], None]
@@ -100,6 +105,7 @@ class Server:
                  load: LoadFn | None):
         self.cfg, self.q, self.roles, self.pg = cfg, cfg.ps, roles, pg
         self.save, self.load = save, load
+        self.faults = FaultInjector(cfg.fault.inject, roles.rank, Path(cfg.run.dir))
         self.lr_scale = cfg.ps.lr / cfg.optim.lr if cfg.ps.lr else 1.0
         self.version = 0
         self.clocks = [0] * roles.n_workers
@@ -274,6 +280,7 @@ class Server:
     @torch.no_grad()
     def _update(self, grad: torch.Tensor, rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
                 lr: float, norm: float) -> None:
+        self.faults.after_forward(self.version + 1, torch.zeros(()))  # fault.inject on a server
         if not torch.isfinite(torch.tensor(norm)):
             self.stats["skipped"] += 1  # as the loop's guard skips a non-finite step
             return
