@@ -10,14 +10,15 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from allhands.checkpoint import committed, load_weights
-from allhands.errors import LaunchError
-from allhands.faults import fired_at
+from allhands.errors import ConfigError, LaunchError
+from allhands.faults import FaultInjector, fired_at, parse_faults
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.job import Job, build_reference_model
@@ -265,3 +266,20 @@ def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path
     assert fault == spec and float(detect) < float(recover) and int(resumed) in (0, 2, 4)
     assert int(recomputed) >= 0
     assert "final parameters EQUAL to the undisturbed run's" in out[3]
+
+
+def test_slow_fault_makes_steps_take_factor_times_their_work(tmp_path):
+    for bad in ("0:1:slow=1", "0:1:slow=x", "0:1:slow="):
+        with pytest.raises(ConfigError, match="^fault.inject"):
+            parse_faults(bad)
+    slow, other = FaultInjector("0:2:slow=3", 0, tmp_path), FaultInjector("0:2:slow=3", 1, tmp_path)
+    waits = []
+    for step in range(1, 5):
+        t0 = time.perf_counter()
+        slow.before_step(step)
+        other.before_step(step)
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.05)  # the step's work
+    assert max(waits[:2]) < 0.02  # steps 1 and 2 ran at full speed (step 2's work is slowed after it)
+    assert all(0.1 <= w < 0.2 for w in waits[2:]), waits  # 2 x the 0.05 s of work
+    assert not (tmp_path / "faults").exists()  # a straggler is not a fire-once fault

@@ -116,11 +116,13 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
     :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective."""
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return  # new_group hands this to ranks outside the group: nothing to check here
-    world = dist.get_world_size(group)
+    # A group's own size and rank: it may be a group not registered with the default one (the
+    # parameter server's cross-role group, mesh.py), which dist.get_rank(group) does not know.
+    world = group.size() if group is not None else dist.get_world_size()
     if world == 1:
         return
     secret, insecure, master = worker_admission_env()
-    rank = dist.get_rank(group)  # proofs bind the rank within this group
+    rank = group.rank() if group is not None else dist.get_rank()  # proofs bind the rank within this group
     if not secret:
         if insecure:
             return
@@ -148,11 +150,18 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
         their_addr = rec[41:41 + min(n, _ADDR)]
         if not verify(key, transcript, r, their_proof.hex(), _context(their_pid, their_addr)):
             shown = their_addr.decode("utf-8", "replace") or "no address"
-            glob = r if group is None else dist.get_global_rank(group, r)
+            glob = _global_rank(group, r)
             refused.append(f"rank {glob} (says {shown}, pid {their_pid})")
     if refused:
         _refuse(dist.get_rank(), f"refused {', '.join(refused)}: no valid proof of the job secret (a "
                       f"process outside the job, or a node started with another secret)")
+
+
+def _global_rank(group: dist.ProcessGroup | None, r: int) -> int:
+    try:
+        return r if group is None else dist.get_global_rank(group, r)
+    except ValueError:  # an unregistered group spans the whole job: its ranks are the job's
+        return r
 
 
 def _context(pid: int, addr: bytes) -> bytes:
@@ -175,7 +184,10 @@ def _all_gather(data: bytes, world: int, device: torch.device,
     """Fixed-size raw bytes from every rank: uint8 tensors, never pickled objects."""
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t, group=group)
+    if group is None:
+        dist.all_gather(out, t)
+    else:  # the group's own collective: it may not be registered (see admit_peers)
+        group.allgather([out], [t]).wait()
     return [o.cpu().numpy().tobytes() for o in out]
 
 

@@ -24,6 +24,9 @@ Kinds:
   breaking the real connection: the real flake needs a stale peer address in the worker store,
   which the fresh store per round (rendezvous.py) no longer leaves behind, so it cannot be
   provoked on purpose; what is tested is everything after it (classification, retry, report).
+- ``slow=F`` (F > 1): a straggler. From step STEP on, this rank sleeps before each step F - 1
+  times as long as its previous step's work took, so its steps take F times as long; not
+  fire-once (a slow machine stays slow after a restart) and deterministic given the work time.
 """
 
 from __future__ import annotations
@@ -78,14 +81,18 @@ def parse_faults(spec: str) -> list[Fault]:
         parts = item.split(":")
         ok = len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) >= 1
         kind = parts[2] if ok else ""
-        if kind.upper().startswith("SIG"):
+        if kind.startswith("slow="):
+            factor = kind[len("slow="):]
+            ok = ok and factor.replace(".", "", 1).isdigit() and float(factor) > 1
+        elif kind.upper().startswith("SIG"):
             kind = kind.upper()
             ok = isinstance(getattr(signal, kind, None), signal.Signals)
         elif ok:
             ok = kind in KINDS
         if not ok:
             raise ConfigError(f"fault.inject: {item!r} is not RANK:STEP:KIND with STEP >= 1 and KIND "
-                              f"a signal name (SIGKILL, SIGTERM, ...) or one of {', '.join(KINDS)}")
+                              f"a signal name (SIGKILL, SIGTERM, ...), slow=F with F > 1, or one of "
+                              f"{', '.join(KINDS)}")
         out.append(Fault(int(parts[1]), int(parts[0]), kind))
     return sorted(out)
 
@@ -127,7 +134,10 @@ class FaultInjector:
     def __init__(self, spec: str, rank: int, run_dir: Path):
         self.rank = rank
         self.marker_dir = run_dir / "faults"
-        self.faults = [f for f in parse_faults(spec) if f.rank == rank]
+        mine = [f for f in parse_faults(spec) if f.rank == rank]
+        self.faults = [f for f in mine if not f.kind.startswith("slow=")]
+        self.slow = [(f.step, float(f.kind[len("slow="):])) for f in mine if f.kind.startswith("slow=")]
+        self._work_from: float | None = None  # when this rank's current step's work began
         self._started = False  # before_step was called in this process (a ``flake`` is at start)
 
     def _take(self, step: int, kinds: tuple[str, ...] | None, at_or_after: bool = False) -> Fault | None:
@@ -146,6 +156,8 @@ class FaultInjector:
         return None
 
     def before_step(self, step: int) -> None:
+        if self.slow:
+            self._straggle(step)
         first, self._started = not self._started, True
         f = self._take(step, ("flake",), at_or_after=True) if self.faults and first else None
         if f is not None:
@@ -153,6 +165,13 @@ class FaultInjector:
         if self.faults and self._take(step, ("hang",)):
             while True:  # a hung rank: only the watchdog's SIGKILL ends this
                 time.sleep(3600)
+
+    def _straggle(self, step: int) -> None:
+        now = time.perf_counter()
+        factor = max((f for s, f in self.slow if step > s), default=1.0)  # the work of step - 1
+        if self._work_from is not None and factor > 1:
+            time.sleep((factor - 1) * (now - self._work_from))
+        self._work_from = time.perf_counter()
 
     def after_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Called once per step with the first micro-batch's loss."""

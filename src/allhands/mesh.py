@@ -57,8 +57,9 @@ class Mesh:
     @classmethod
     def build(cls, *, rank: int, world_size: int, local_rank: int, device: str, backend: str,
               dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
-              timeout_s: float = 300.0) -> "Mesh":
-        """Initialise the default process group (env:// from the launcher) and the mesh."""
+              timeout_s: float = 300.0, store: dist.Store | None = None) -> "Mesh":
+        """Initialise the default process group (env:// from the launcher, or ``store`` for the
+        ranks of one role of a larger job: the parameter server's workers) and the mesh."""
         dev = pick_device(device, local_rank)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -67,7 +68,12 @@ class Mesh:
         timeout = datetime.timedelta(seconds=timeout_s)
         admit = False  # launched workers prove the job secret on every group they will use
         if not dist.is_initialized():
-            if world_size == 1 and rank == 0 and not _has_rendezvous_env():
+            if store is not None:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                        timeout=timeout)
+                admit_peers(dev)
+                admit = True
+            elif world_size == 1 and rank == 0 and not _has_rendezvous_env():
                 # In-process single worker (Python API without a launcher): a private store.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                         timeout=timeout)
@@ -153,6 +159,14 @@ class Mesh:
         if self._ckpt_group is None:
             self._ckpt_group = self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
         return self._ckpt_group
+
+    def cross_role_group(self, store: dist.Store, rank: int, size: int,
+                         timeout_s: float) -> dist.ProcessGroup:
+        """A gloo group over every rank of a job whose roles each have a default group of their
+        own (parameter servers and their workers, sync/ps.py), for point-to-point traffic between
+        the roles. Not registered with the default group (whose world is one role); admitted."""
+        pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        return self._admitted(pg, torch.device("cpu"))
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,8 @@
 """PNG plots of a run directory from its metrics.jsonl: loss (train and eval), throughput with
 MFU, step time per rank (a straggler shows as one line above the others), and communication: bytes
 per step (collective payload, its ring lower bound, and the interfaces' counters when the run
-had a non-loopback interface) beside the exposed share of step time."""
+had a non-loopback interface) beside the exposed share of step time; for a parameter-server run
+(``ps/server<i>.json``) the staleness histogram of the updates and each server's load and bytes."""
 
 from __future__ import annotations
 
@@ -88,7 +89,35 @@ def make_report(run_dir: Path) -> list[Path]:
     comm = [r for r in train if "comm_bytes" in r]
     if comm:
         save(plot_comm(plt, comm), "communication.png")
+    servers = [json.loads(p.read_text()) for p in sorted((run_dir / "ps").glob("server*.json"))]
+    if servers:
+        save(plot_ps(plt, servers), "ps.png")
     return written
+
+
+def plot_ps(plt, servers: list[dict]):
+    """Staleness of the updates (updates applied to a shard between a worker's pull and its
+    push, summed over servers; ssp's clock gaps beside) and each server's load and bytes."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("staleness", "staleness (updates)"), ("clock_gap", "ssp clock gap (steps)")):
+        hist: dict[int, int] = {}
+        for s in servers:
+            for v, n in s.get(key, {}).items():
+                hist[int(v)] = hist.get(int(v), 0) + n
+        if hist:
+            ax.bar([v + (0.2 if key == "clock_gap" else -0.2) for v in hist], list(hist.values()),
+                   width=0.4, label=label)
+    ax.set_xlabel("staleness"), ax.set_ylabel("updates"), ax.set_title("staleness per update")
+    ax.legend(), ax.grid(alpha=0.3)
+    idx = [s["server"] for s in servers]
+    bx.bar([i - 0.2 for i in idx], [s["bytes_in"] / 1e6 for s in servers], width=0.4, label="MB in")
+    bx.bar([i + 0.2 for i in idx], [s["bytes_out"] / 1e6 for s in servers], width=0.4, label="MB out")
+    for s in servers:
+        bx.annotate(f"load {100 * s['busy_s'] / max(s.get('wall_s', 0), 1e-12):.0f}%",
+                    (s["server"], 0), ha="center", va="bottom")
+    bx.set_xlabel("server"), bx.set_ylabel("MB"), bx.set_title("per-server bytes and load")
+    bx.legend(), bx.grid(alpha=0.3)
+    return fig
 
 
 def plot_comm(plt, rows: list[dict]):

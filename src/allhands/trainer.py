@@ -170,7 +170,8 @@ class Trainer:
         # Every rank decides alike (one all_reduce), whatever the sync strategy did to the grads.
         bad = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0],
                            device=self.mesh.device)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if self.strategy.lockstep:  # an asynchronous worker decides alone
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.last_action = self.guard.check(not bool(bad.item()), step + 1)
         self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":

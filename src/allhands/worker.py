@@ -4,6 +4,7 @@ recorded for the launcher's one-line summary."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -11,10 +12,14 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from allhands.checkpoint import Checkpointer, committed
 from allhands.config import Config, validate
 from allhands.env import worker_env
 from allhands.errors import AllhandsError
 from allhands.mesh import Mesh
+from allhands.sync.ps_rows import detach_tables
+from allhands.sync.ps_server import serve
+from allhands.sync.ps_wire import Roles, ps_roles
 from allhands.trainer import Job, Trainer
 
 
@@ -24,12 +29,59 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     p = cfg.parallel
     if env.attempt:  # an elastic restart may bring fewer workers: the batch must still divide
         validate(cfg, world_size=env.world_size, need_data=False)
-    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+    rank, world, store = env.rank, env.world_size, None
+    if p.sync == "ps":  # the last ps.servers ranks serve; the workers' mesh spans the rest
+        roles = ps_roles(cfg.ps.servers, env.rank, env.world_size, p.timeout_s)
+        if roles.server:
+            return run_ps_server(cfg, roles, env.local_rank)
+        rank, world, store = roles.index, roles.size, roles.role_store
+        job = ps_job(cfg, job or Job())
+    mesh = Mesh.build(rank=rank, world_size=world, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
-                      dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s)
+                      dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s, store=store)
     try:
-        return Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir)).fit()
+        trainer = Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir))
+        result = trainer.fit()
+        if p.sync == "ps":  # after the last evaluation, which fetches embedding rows too
+            trainer.strategy.finish()
+        return result
     finally:
+        mesh.destroy()
+
+
+def ps_job(cfg: Config, job: Job) -> Job:
+    """A user's model with its embedding tables detached as soon as it is built: one built on
+    the meta device is never allocated here (the trainer's ``.to(device)`` would fail on it)."""
+    if job.model is None:
+        return job  # the reference GPT's tables are detached when the strategy wraps it
+    build = job.model
+    return dataclasses.replace(job, model=lambda c: _detached(build(c), c.ps.sparse))
+
+
+def _detached(model, sparse: str):
+    detach_tables(model, sparse)
+    return model
+
+
+def run_ps_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:
+    """A parameter server (sync/ps_server.py): its shard saved beside the workers' checkpoints."""
+    p, run_dir = cfg.parallel, Path(cfg.run.dir)
+    mesh = Mesh.build(rank=roles.index, world_size=roles.size, local_rank=local_rank, device="cpu",
+                      backend="gloo", timeout_s=p.timeout_s, store=roles.role_store)
+    ckpt = Checkpointer(run_dir / "ps-checkpoints", rank=roles.index, keep_last=cfg.checkpoint.keep_last,
+                        mode="sync", meta={"config": cfg.to_dict(), "world_size": roles.world})
+
+    def load(step: int, state: dict) -> bool:  # the shard saved at the workers' resume step
+        found = [path for s, path in committed(ckpt.dir) if s == step]
+        if found:
+            ckpt.load(found[-1], state)
+        return bool(found)
+
+    try:
+        pg = mesh.cross_role_group(roles.cross_store, roles.rank, roles.world, p.timeout_s)
+        return serve(cfg, roles, pg, run_dir, save=ckpt.save, load=load)
+    finally:
+        ckpt.close()
         mesh.destroy()
 
 

@@ -1,13 +1,15 @@
 """The typed config tree (tree.py) and its validation (validate.py), under one name."""
 
 from allhands.config.tree import (CheckpointConfig, Config, DataConfig, FaultConfig, LogConfig,
-                                  ModelConfig, OptimConfig, ParallelConfig, RunConfig, SyncConfig,
+                                  ModelConfig, OptimConfig, ParallelConfig, PSConfig, RunConfig,
+                                  SyncConfig,
                                   apply_override, load_config, to_toml)
 from allhands.config.validate import (MESH_DIMS, PP_SCHEDULES, SYNC_MODES, mesh_sizes, parse_mix,
                                       pp_microbatches, pp_stages_per_rank, validate)
 from allhands.errors import ConfigError
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultConfig", "LogConfig",
-           "MESH_DIMS", "ModelConfig", "OptimConfig", "PP_SCHEDULES", "ParallelConfig", "RunConfig",
-           "SYNC_MODES", "SyncConfig", "apply_override", "load_config", "mesh_sizes", "parse_mix",
+           "MESH_DIMS", "ModelConfig", "OptimConfig", "PP_SCHEDULES", "PSConfig", "ParallelConfig",
+           "RunConfig", "SYNC_MODES", "SyncConfig", "apply_override", "load_config", "mesh_sizes",
+           "parse_mix",
            "pp_microbatches", "pp_stages_per_rank", "to_toml", "validate"]

@@ -78,7 +78,8 @@ class ParallelConfig:
 
     dp_replicate: int = _f(-1, "data-parallel replicas; -1 = the rest of the workers (all of them by default)")
     sync: str = _f("allreduce", "how replicas reconcile: allreduce (every step), diloco, "
-                   "local_sgd (both sync every sync.inner_steps over dp_replicate) or auto (measured; see docs/sync.md)")
+                   "local_sgd (both sync every sync.inner_steps over dp_replicate), ps (parameter servers: "
+                   "see the ps section) or auto (measured; see docs/sync.md)")
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
@@ -117,6 +118,26 @@ class SyncConfig:
 
 
 @dataclass
+class PSConfig:
+    """parallel.sync = "ps": parameter servers (the last ``servers`` ranks) and workers (sync/ps.py)."""
+
+    servers: int = _f(1, "server processes, the job's last ranks; the other ranks are workers, >= 1")
+    mode: str = _f("sync", "sync (every step averages all workers' gradients: DDP's update), async "
+                   "(Downpour SGD) or ssp (async, bounded by max_staleness)")
+    max_staleness: int = _f(2, "ssp: a worker more than this many steps ahead of the slowest waits, >= 0")
+    push_every: int = _f(1, "async/ssp: push the summed gradients every this many steps, >= 1")
+    fetch_every: int = _f(1, "async/ssp: pull fresh parameters every this many steps, >= 1")
+    optimizer: str = _f("auto", "server optimizer: auto (the optim section's), or a torch.optim "
+                        "class name, e.g. Adagrad (DistBelief's choice for async)")
+    lr: float = _f(0.0, "server learning rate; 0 = optim.lr; the optim schedule scales it either way")
+    sparse: str = _f("none", "embedding tables moved by row (the servers keep them: worker checkpoints "
+                     "and export leave them out): none, auto (every nn.Embedding/EmbeddingBag weight "
+                     "no other module uses) or comma-separated parameter names")
+    row_init_std: float = _f(0.02, "a table built on the meta device starts from N(0, row_init_std), "
+                             "drawn on the servers, >= 0")
+
+
+@dataclass
 class CheckpointConfig:
     """Distributed Checkpoint saves inside the run directory."""
 
@@ -143,7 +164,8 @@ class FaultConfig:
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
                          "exception, oom, hang, nan, ckpt (kill during the checkpoint write), "
-                         "flake (gloo's connectFullMesh error before the first step)")
+                         "flake (gloo's connectFullMesh error before the first step), slow=F "
+                         "(from STEP on, every step F times as long: a straggler)")
     node_timeout_s: float = _f(15.0, "multi-node: a node whose agent sent no keep-alive for this long "
                                      "is dropped from the rendezvous (a lost host), >= 3")
     rdzv_last_call_s: float = _f(10.0, "multi-node --nnodes MIN:MAX: once MIN nodes joined a "
@@ -193,6 +215,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

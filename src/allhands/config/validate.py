@@ -63,6 +63,10 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     if p.backend == "nccl" and r.device == "cpu":
         raise ConfigError("parallel.backend: 'nccl' needs run.device=cuda; use gloo or auto on CPU")
     if world_size is not None:
+        if p.sync == "ps":
+            _check(world_size > cfg.ps.servers, "ps.servers",
+                   f"must be fewer than the job's {world_size} ranks (the rest are workers)", cfg.ps.servers)
+            world_size -= cfg.ps.servers  # the mesh spans the workers
         sizes = mesh_sizes(p, world_size)
         _check_sharding(p, sizes)
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
@@ -260,7 +264,8 @@ def _validate_fault(f: FaultConfig) -> None:
 
     parse_faults(f.inject)
 
-SYNC_MODES = ("allreduce", "diloco", "local_sgd", "auto")
+SYNC_MODES = ("allreduce", "diloco", "local_sgd", "auto", "ps")
+PS_MODES = ("sync", "async", "ssp")
 
 
 def _validate_sync(cfg: Config) -> None:
@@ -293,6 +298,8 @@ def _validate_sync(cfg: Config) -> None:
             raise ConfigError(f"parallel.zero: 1 (ZeroRedundancyOptimizer) is not supported with "
                               f"parallel.sync={p.sync}; use parallel.zero=2 (FSDP over dp_shard: "
                               f"optimizer state and gradients sharded) or 3 (parameters too), or 0 (DDP)")
+    if p.sync == "ps":
+        _validate_ps(cfg)
     if s.compress != "none" and p.zero >= 2:
         raise ConfigError(f"sync.compress: {s.compress} is a DDP communication hook; parallel.zero={p.zero} "
                           f"runs FSDP, which takes none; use parallel.zero 0 or 1, or sync.compress=none")
@@ -307,3 +314,28 @@ def _validate_sync(cfg: Config) -> None:
                f"must be a multiple of sync.inner_steps={h} with parallel.sync={p.sync}", r.eval_interval)
 
 
+
+
+def _validate_ps(cfg: Config) -> None:
+    q, p = cfg.ps, cfg.parallel
+    _check(q.servers >= 1, "ps.servers", "must be >= 1", q.servers)
+    _check(q.mode in PS_MODES, "ps.mode", "allowed: " + ", ".join(PS_MODES), q.mode)
+    _check(q.max_staleness >= 0, "ps.max_staleness", "must be >= 0", q.max_staleness)
+    for name in ("push_every", "fetch_every"):
+        v = getattr(q, name)
+        _check(v >= 1, f"ps.{name}", "must be >= 1", v)
+        _check(v == 1 or q.mode != "sync", f"ps.{name}", "must be 1 with ps.mode=sync (every step "
+               "aggregates every worker's gradient); use ps.mode=async or ssp", v)
+    _check(q.lr >= 0, "ps.lr", "must be >= 0 (0 = optim.lr)", q.lr)
+    _check(bool(q.optimizer), "ps.optimizer", "must be auto or a torch.optim class name", q.optimizer)
+    _check(bool(q.sparse.strip()), "ps.sparse", "must be auto, none or parameter names", q.sparse)
+    _check(q.row_init_std >= 0, "ps.row_init_std", "must be >= 0", q.row_init_std)
+    # The servers hold the whole model as flat pieces and workers whole replicas: data
+    # parallelism only.
+    for dim in ("pp", "tp", "dp_shard"):
+        if getattr(p, dim) != 1:
+            raise ConfigError(f"parallel.{dim}: {getattr(p, dim)} is not supported with parallel.sync=ps "
+                              f"(servers shard the parameters, workers hold replicas); set parallel.{dim}=1")
+    if p.zero != 0:
+        raise ConfigError(f"parallel.zero: {p.zero} is not supported with parallel.sync=ps (the servers "
+                          f"hold the optimizer state); set parallel.zero=0")

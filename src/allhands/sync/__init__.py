@@ -10,8 +10,11 @@ from allhands.sync.allreduce import AllReduceSync
 from allhands.sync.auto import choose
 from allhands.sync.base import SyncStrategy
 from allhands.sync.diloco import DiLoCoSync, LocalSGDSync, replicate_group
+from allhands.sync.ps import PSSync
+from allhands.sync.ps_wire import ps_roles
 
-STRATEGIES = {"allreduce": AllReduceSync, "diloco": DiLoCoSync, "local_sgd": LocalSGDSync}
+STRATEGIES = {"allreduce": AllReduceSync, "diloco": DiLoCoSync, "local_sgd": LocalSGDSync,
+              "ps": PSSync}
 
 
 def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy, str]:
@@ -23,6 +26,10 @@ def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy,
         strategy: SyncStrategy = AllReduceSync(
             bucket_mb=cfg.parallel.bucket_mb, compress=s.compress, powersgd_rank=s.powersgd_rank,
             powersgd_start_step=s.powersgd_start_step, reducer=reducer(cfg, mesh))
+    elif name == "ps":  # this rank is a worker (servers never build a strategy: worker.py)
+        roles = ps_roles(cfg.ps.servers, mesh.rank, mesh.world_size + cfg.ps.servers,
+                         cfg.parallel.timeout_s)
+        strategy = PSSync(cfg.ps, roles, total_steps=cfg.run.steps, timeout_s=cfg.parallel.timeout_s)
     elif name == "diloco":
         strategy = DiLoCoSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
                               outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
@@ -48,4 +55,4 @@ def reducer(cfg: Config, mesh: Mesh) -> str:
     return f"{how} every step" + (" (ZeRO-1: optimizer state sharded)" if zero == 1 else "")
 
 
-__all__ = ["AllReduceSync", "DiLoCoSync", "LocalSGDSync", "SyncStrategy", "build_sync", "STRATEGIES"]
+__all__ = ["AllReduceSync", "DiLoCoSync", "LocalSGDSync", "PSSync", "SyncStrategy", "build_sync", "STRATEGIES"]

@@ -34,6 +34,9 @@ class SyncStrategy:
     # hybrid all-reduce over dp_replicate). True: this strategy does it itself (DiLoCo), so
     # parallelize() only shards over dp_shard and leaves dp_replicate alone.
     reconciles_replicas = False
+    # True: the loop may agree with every worker each step (its non-finite check is one
+    # all-reduce). False: workers run at their own pace (asynchronous parameter server).
+    lockstep = True
 
     def __init__(self) -> None:
         self.comm = CommMeter()

@@ -1,0 +1,42 @@
+"""The sparse benchmark's DLRM-style click model and its generated data (bench/ps.py): one
+EmbeddingBag table (over 99% of the parameters) summed over 8 categorical fields, a small MLP
+on top, and clicks drawn from a planted logistic model over Zipf-like ids (Naumov et al. 2019,
+DLRM, without the dense features)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROWS, DIM, FIELDS = 20_000, 16, 8
+
+
+class ClickModel(nn.Module):
+    def __init__(self, device: str | None = None):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(ROWS, DIM, mode="sum", device=device)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(x)).squeeze(-1)
+
+
+def model(cfg) -> nn.Module:
+    return ClickModel()
+
+
+def _samples(n: int, seed: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.rand(n, FIELDS, generator=g) ** 3 * ROWS).long()  # a few ids are hot, most rare
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(99))  # the planted click model
+    p = torch.sigmoid(w[ids].sum(1) / FIELDS ** 0.5)
+    return torch.utils.data.TensorDataset(ids, torch.bernoulli(p, generator=g))
+
+
+def data(cfg):
+    return _samples(20_000, 1), _samples(2_000, 2)
+
+
+def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, y)

@@ -1,0 +1,272 @@
+"""Parameter-server training, the worker's side: push gradients to the servers that own each
+piece of the parameters, pull the parameters back (DistBelief, Dean et al. 2012).
+
+The servers (sync/ps_server.py) hold the parameters cut into byte-balanced pieces
+(ps_wire.plan_shards) and their optimizer state, and apply every update. A worker keeps a full
+replica for forward/backward; its own optimizer never steps (``attach_optimizer`` makes
+``optimizer.step`` a no-op, as torchft wraps the step), so the training loop is unchanged:
+
+- after the backward of the step's last micro-batch (``micro_step``) the worker sends each
+  server its gradient pieces with the step's learning rate and the gradient's global norm
+  (torch's ``get_total_norm``, so the server clips like ``clip_grad_norm_``);
+- after the step (``after_step``) it receives the parameters it asked for and copies them in.
+
+Embedding tables (sync/ps_rows.py, ``ps.sparse``) are not replicated: their modules fetch the
+rows a batch uses from the servers at forward, and a push carries only those rows' gradients.
+
+``ps.mode``:
+- ``sync``: every step; a server averages the W workers' gradients, clips by the norm of the
+  average (one all-reduce of a scalar among servers) and steps: DDP's update.
+- ``async`` (Downpour SGD): gradients summed locally and pushed every ``push_every`` steps, each
+  push applied on arrival with its own clipping; parameters pulled every ``fetch_every`` steps.
+  Nobody waits for another worker.
+- ``ssp`` (stale synchronous parallel, Ho et al. 2013): async, but every step the worker reports
+  its clock and a worker more than ``max_staleness`` steps ahead of the slowest waits for the reply.
+
+Exactness: one async worker with push/fetch every step computes each gradient on the latest
+parameters, so it trains exactly like one process (the servers' AdamW is elementwise, so pieces
+of a tensor update like the tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from allhands.config import PSConfig
+from allhands.mesh import Mesh
+from allhands.sync import ps_rows, ps_wire as w
+from allhands.sync.base import SyncStrategy
+
+
+class PSSync(SyncStrategy):
+    name = "ps"
+    reconciles_replicas = True  # the servers do; parallelize() must not add DDP
+
+    def __init__(self, q: PSConfig, roles: w.Roles, *, total_steps: int, timeout_s: float):
+        super().__init__()
+        self.q, self.roles, self.total, self.timeout_s = q, roles, total_steps, timeout_s
+        self.mode = q.mode
+        self.lockstep = q.mode == "sync"
+        self.clock = 0  # completed steps (checkpointed under ``sync``)
+        self.version = [0] * roles.n_servers  # each server's update count of the last pull
+        self.started = False
+        self.done = False
+        self._loading = False
+        self._acc: list[torch.Tensor] | None = None  # async: gradients summed since the last push
+        self._acc_rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # and the tables'
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, list[Any]]] = []
+
+    def describe(self) -> str:
+        q = self.q
+        how = {"sync": "sync (averaged every step)",
+               "async": f"async (push every {q.push_every}, fetch every {q.fetch_every})",
+               "ssp": f"ssp (max staleness {q.max_staleness}, push every {q.push_every}, "
+                      f"fetch every {q.fetch_every})"}[q.mode]
+        return (f"ps: {self.roles.n_workers} workers, {self.roles.n_servers} servers, {how}; "
+                f"server optimizer {q.optimizer}")
+
+    def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
+        r = self.roles
+        self.pg = mesh.cross_role_group(r.cross_store, r.rank, r.world, self.timeout_s)
+        self.tables = ps_rows.detach_tables(model, self.q.sparse)
+        for t in self.tables:
+            t.fetch = self._fetch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise ValueError("parallel.sync=ps: the servers hold fp32 parameters")
+        # tables are planned in rows (parameter index n_dense + table index), the rest in elements
+        n = self.n_dense = len(self.params)
+        self.plan = w.plan_shards([p.numel() for p in self.params] + [t.rows for t in self.tables],
+                                  [p.element_size() for p in self.params] + [t.dim * 4 for t in self.tables],
+                                  r.n_servers)
+        self.mine = [[p for p in w.server_pieces(self.plan, s) if p.param < n] for s in range(r.n_servers)]
+        self.row_pieces = [[p for p in w.server_pieces(self.plan, s) if p.param >= n]
+                           for s in range(r.n_servers)]
+        return model
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        # The update happens on the servers. A bound method: LR schedulers wrap ``step`` through
+        # its ``__func__``.
+        optimizer.step = types.MethodType(lambda opt, closure=None: None, optimizer)
+
+    # -- the step
+    def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        return self._after_backward() if last else contextlib.nullcontext()
+
+    def _due(self, every: int, clock: int) -> bool:
+        return self.mode == "sync" or clock % every == 0 or clock >= self.total
+
+    @contextlib.contextmanager
+    def _after_backward(self):
+        yield
+        if not self.started:
+            self._start()
+        clock = self.clock + 1  # the step whose gradient this is
+        grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        rows = [t.take_grads() for t in self.tables]
+        summed = self._acc is not None
+        if summed:
+            grads = [a.add_(g) for a, g in zip(self._acc, grads)]
+            rows = [ps_rows.coalesce(torch.cat([a[0], r[0]]), torch.cat([a[1], r[1]]))
+                    for a, r in zip(self._acc_rows, rows)]
+        push = self._due(self.q.push_every, clock)
+        self._acc = None if push else grads if summed else [g.clone() for g in grads]
+        self._acc_rows = None if push else rows
+        pull = self._due(self.q.fetch_every, clock)
+        flags = (w.PUSH if push else 0) | (w.PULL if pull else 0) | (w.TICK if self.mode == "ssp" else 0)
+        if not flags:
+            return
+        # the norm of the whole gradient as torch's clip_grad_norm_ computes it, for the server's clip
+        norm = float(torch.nn.utils.get_total_norm(grads + [g for _, g in rows])) if push else 0.0
+        flats = [self._gather(s, grads) for s in range(self.roles.n_servers)] if push else []
+        lr = self.optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        for s in range(self.roles.n_servers):
+            self._request(s, w.request(flags, clock, lr, norm, self.version[s]),
+                          flats[s] if push else None, rows if push else None)
+            if pull or self.mode == "ssp":
+                self._expect(s, pull)
+        self.comm.blocking(time.perf_counter() - t0)
+
+    def after_step(self, step: int) -> None:
+        self.clock = step
+        t0 = time.perf_counter()
+        self._receive()
+        if step >= self.total:  # the last step always pushed and pulled: no save to request
+            self.done = True
+        self.comm.blocking(time.perf_counter() - t0)
+
+    def finish(self) -> None:
+        """After the loop (its last evaluation fetches rows too): release the servers."""
+        for s in range(self.roles.n_servers):
+            self._request(s, w.request(w.DONE, self.clock))
+
+    def in_sync(self, step: int) -> bool:
+        return self.mode == "sync"
+
+    # -- messages
+    def _gather(self, s: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Server ``s``'s pieces of ``tensors`` (one per parameter), as one flat fp32 buffer."""
+        return torch.cat([tensors[p.param].detach().reshape(-1)[p.start:p.stop] for p in self.mine[s]]
+                         or [torch.empty(0)])
+
+    def _moved(self, t: torch.Tensor) -> None:
+        # bytes moved point-to-point: an all_gather over 2 ranks counts payload once on the wire
+        self.comm.collective("all_gather", t.numel() * t.element_size(), 2)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        if t.numel():  # gloo pairs every send with a receive; an empty piece is neither
+            w.send(self.pg, t, dst, tag).wait()
+            self._moved(t)
+
+    def _request(self, s: int, header: torch.Tensor, payload: torch.Tensor | None = None,
+                 rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        dst = self.roles.server_rank(s)
+        w.send(self.pg, header, dst, w.TAG_REQ).wait()
+        if payload is not None:
+            self._send(payload, dst, w.TAG_GRAD)
+        if rows is not None and self.row_pieces[s]:
+            # per table piece of this server: the touched ids in its range and their gradient rows
+            ids, vals = [], []
+            for p in self.row_pieces[s]:
+                i, g = rows[p.param - self.n_dense]
+                lo, hi = torch.searchsorted(i, torch.tensor([p.start, p.stop])).tolist()
+                ids.append(i[lo:hi])
+                vals.append(g[lo:hi].reshape(-1))
+            w.send(self.pg, torch.tensor([len(i) for i in ids], dtype=torch.int64), dst, w.TAG_COUNTS).wait()
+            self._send(torch.cat(ids), dst, w.TAG_IDS)
+            self._send(torch.cat(vals), dst, w.TAG_ROWS)
+
+    def _fetch(self, table: ps_rows.Table, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (sorted, unique) of ``table``, from the servers holding them."""
+        if not self.started:  # the first forward (or the first evaluation) may come before a push
+            self._start()
+        t0 = time.perf_counter()
+        param, got = self.n_dense + table.index, []
+        for s in range(self.roles.n_servers):
+            for p in (p for p in self.row_pieces[s] if p.param == param):
+                lo, hi = torch.searchsorted(ids, torch.tensor([p.start, p.stop])).tolist()
+                if hi == lo:
+                    continue
+                dst = self.roles.server_rank(s)
+                w.send(self.pg, w.request(w.ROWS, self.clock, count=param, rows=hi - lo), dst, w.TAG_REQ).wait()
+                self._send(ids[lo:hi].contiguous(), dst, w.TAG_IDS)
+                buf = torch.empty(hi - lo, table.dim)
+                got.append((buf, w.recv(self.pg, buf, dst, w.TAG_ROWS)))
+        for buf, work in got:
+            work.wait()
+            self._moved(buf)
+        self.comm.blocking(time.perf_counter() - t0)
+        return torch.cat([b for b, _ in got]) if got else torch.empty(0, table.dim)
+
+    def _expect(self, s: int, with_params: bool) -> None:
+        """Post the receive of server ``s``'s reply (and parameters) now; ``_receive`` waits."""
+        src = self.roles.server_rank(s)
+        rep = torch.empty(w.REP_LEN, dtype=torch.float64)
+        works = [w.recv(self.pg, rep, src, w.TAG_REP)]
+        buf = torch.empty(sum(p.numel for p in self.mine[s])) if with_params else torch.empty(0)
+        if buf.numel():
+            works.append(w.recv(self.pg, buf, src, w.TAG_PARAM))
+        self._pending.append((s, rep, buf, works))
+
+    @torch.no_grad()
+    def _receive(self) -> None:
+        for s, rep, buf, works in self._pending:
+            for work in works:
+                work.wait()
+            if buf.numel():
+                self.version[s] = int(rep[0])
+                self._moved(buf)
+                for p, v in zip(self.mine[s], buf.split([p.numel for p in self.mine[s]])):
+                    self.params[p.param].view(-1)[p.start:p.stop].copy_(v)
+        self._pending = []
+
+    def _start(self) -> None:
+        """Worker 0 gives each server its pieces' layout and values (a server that restores its
+        shard from its own checkpoint keeps those); then every worker pulls, so all replicas start
+        from the servers' values."""
+        self.started = True
+        if self.roles.index == 0:
+            for s in range(self.roles.n_servers):
+                # per piece: parameter, start, stop, dims, row width (tables), values follow (tables)
+                table = torch.tensor([[p.param, p.start, p.stop, self.params[p.param].dim(), 0, 1]
+                                      for p in self.mine[s]] +
+                                     [[p.param, p.start, p.stop, 2, t.dim, int(t.values is not None)]
+                                      for p in self.row_pieces[s]
+                                      for t in [self.tables[p.param - self.n_dense]]],
+                                     dtype=torch.int64).reshape(-1, 6)
+                dst = self.roles.server_rank(s)
+                self._request(s, w.request(w.INIT, self.clock, count=len(table)))
+                w.send(self.pg, table, dst, w.TAG_INIT).wait()
+                self._send(self._gather(s, self.params), dst, w.TAG_GRAD)
+                values = [t.values[p.start:p.stop].reshape(-1) for p in self.row_pieces[s]
+                          for t in [self.tables[p.param - self.n_dense]] if t.values is not None]
+                if values:
+                    self._send(torch.cat(values), dst, w.TAG_ROWS)
+        for t in self.tables:
+            t.values = None  # the servers hold the table now
+        for s in range(self.roles.n_servers):
+            self._request(s, w.request(w.PULL, self.clock))
+            self._expect(s, True)
+        self._receive()
+
+    # -- checkpoint: the clock here; the servers save their shards when worker 0 saves
+    def state_dict(self) -> dict[str, Any]:
+        if self.roles.index == 0 and self.started and not self.done and not self._loading:
+            for s in range(self.roles.n_servers):
+                self._request(s, w.request(w.SAVE, self.clock))
+        return {"clock": torch.tensor(self.clock)}
+
+    def saved_keys(self, keys: set[str]) -> None:
+        self._loading = True  # the next state_dict is the load's template, not a save
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loading = False
+        self.clock = int(state["clock"])

@@ -1,0 +1,331 @@
+"""Parameter-server training, the server's side: one process owns a byte-balanced shard of the
+parameters (ps_wire.plan_shards) and their optimizer state, and serves the workers' pushes and
+pulls until every worker is done (DistBelief's parameter server shard, Dean et al. 2012).
+
+One request at a time, in arrival order (gloo's ``recv_anysource``):
+- ``sync``: the W pushes of a step are kept per worker and summed in worker order (the same
+  result whatever the arrival order, so a resume is exact), averaged, clipped by the norm of the
+  whole average (a scalar all-reduce over the servers' own group), and applied; then every
+  worker's pull is answered.
+- ``async``: each push is clipped by the norm its worker sent and applied at once; a pull is
+  answered at once. ``staleness`` counts the updates applied to this shard between the pushing
+  worker's last pull and its push (Downpour's delay).
+- ``ssp``: as async, but a worker's reply waits while its clock is more than ``max_staleness``
+  ahead of the slowest active worker's (Ho et al. 2013); ``clock_gap`` records that distance
+  when a worker is let go, so it never exceeds the bound.
+
+Embedding tables (sync/ps_rows.py): this server's row range of each, updated by row; a ROWS
+request is answered at once with the current rows, in every mode (a worker in sync mode asks
+for step t+1's rows only after step t's reply, so after step t's update).
+
+Faults (``fault.inject``, RANK = the server's rank in the job): a server fails while applying
+update STEP (its version + 1), as a worker fails mid-step; torch's elastic agent then restarts
+every process, and the servers restore their shards from the last checkpoint.
+
+Checkpoints: on worker 0's SAVE (sent when it saves), the shard (parameters, optimizer state,
+version) goes through the job's Checkpointer over the servers' group; on INIT a server restores
+the shard saved at the workers' resume step if it has one, else takes worker 0's values with
+fresh optimizer state.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.checkpoint.stateful import Stateful
+
+from allhands.config import Config
+from allhands.errors import ConfigError
+from allhands.faults import FaultInjector
+from allhands.sync import ps_rows, ps_wire as w
+
+SaveFn = Callable[[int, dict[str, Stateful]], None]
+LoadFn = Callable[[int, dict[str, Stateful]], bool]
+
+
+def server_optimizer(cfg: Config, decay: list[torch.Tensor], no_decay: list[torch.Tensor],
+                     lr: float) -> torch.optim.Optimizer:
+    """``auto``: the optim section's optimizer, weight decay on matrices only (as the workers'
+    would be); else the named torch.optim class with its defaults and ``lr``."""
+    name, o = cfg.ps.optimizer, cfg.optim
+    if name == "auto":
+        groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if o.name == "sgd":
+            return torch.optim.SGD(groups, lr=lr)
+        return torch.optim.AdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"ps.optimizer: {name!r} is not a torch.optim optimizer; use auto or a "
+                          f"class name such as Adagrad, SGD, Adam")
+    return cls(decay + no_decay, lr=lr)
+
+
+class Shard(Stateful):
+    """This server's parameters and optimizer state, for the Checkpointer (keys per server)."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.server
+        optim = {}
+        if s.opt is not None:
+            _init_optim_state(s.opt)  # lazily created state: a load needs its shapes
+            for p in s.pieces:
+                p.grad = None
+            optim = {f"{k}.{field}": v for k, p in enumerate(s.pieces)
+                     for field, v in s.opt.state[p].items() if isinstance(v, torch.Tensor)}
+        return {f"server{s.roles.index}": {"params": s.flat, "version": torch.tensor(s.version),
+                                           "optim": optim,
+                                           "tables": {str(k): t.state() for k, t in s.tables.items()}}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.server
+        mine = state[f"server{s.roles.index}"]
+        with torch.no_grad():
+            s.flat.copy_(mine["params"])
+        s.version = int(mine["version"])
+        for key, v in mine["optim"].items():
+            k, field = key.split(".", 1)
+            s.opt.state[s.pieces[int(k)]][field].copy_(v)
+        for k, t in s.tables.items():
+            t.load(mine["tables"][str(k)])
+
+
+class Server:
+    def __init__(self, cfg: Config, roles: w.Roles, pg: dist.ProcessGroup, *, save: SaveFn | None,
+                 load: LoadFn | None):
+        self.cfg, self.q, self.roles, self.pg = cfg, cfg.ps, roles, pg
+        self.save, self.load = save, load
+        self.faults = FaultInjector(cfg.fault.inject, roles.rank, Path(cfg.run.dir))
+        self.lr_scale = cfg.ps.lr / cfg.optim.lr if cfg.ps.lr else 1.0
+        self.version = 0
+        self.clocks = [0] * roles.n_workers
+        self.active = set(range(roles.n_workers))
+        self.flat: torch.Tensor | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.tables: dict[int, ps_rows.RowShard] = {}  # by parameter index
+        self.round: dict[int, torch.Tensor] = {}  # sync: this step's pushes by worker
+        self.waiting: list[tuple[int, int, bool]] = []  # (worker, clock, with params) replies due
+        self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "pulls": 0, "skipped": 0,
+                                      "bytes_in": 0, "bytes_out": 0, "busy_s": 0.0,
+                                      "rows_fetched": 0, "rows_pushed": 0, "row_bytes_in": 0,
+                                      "row_bytes_out": 0,
+                                      "staleness": collections.Counter(),
+                                      # seconds since start of each worker's pushes (throughput)
+                                      "push_t": {k: [] for k in range(roles.n_workers)},
+                                      "clock_gap": collections.Counter()}
+
+    # -- the loop
+    def run(self) -> dict[str, Any]:
+        t_start = self.t0 = time.perf_counter()
+        while self.active:
+            hdr = torch.empty(w.REQ_LEN, dtype=torch.float64)
+            work = self.pg.recv_anysource([hdr], w.TAG_REQ)
+            work.wait()
+            t0 = time.perf_counter()
+            self.handle(work.source_rank(), hdr)
+            self.stats["busy_s"] += time.perf_counter() - t0
+        self.stats["wall_s"] = time.perf_counter() - t_start
+        if self.save is not None and self.cfg.checkpoint.at_end:
+            self.save(max(self.clocks), {"ps": Shard(self)})
+        return self.report()
+
+    def handle(self, src: int, hdr: torch.Tensor) -> None:
+        flags, clock = int(hdr[0]), int(hdr[1])
+        if flags & w.INIT:
+            self._init(src, clock, int(hdr[5]))
+            return
+        if flags & w.DONE:
+            self.active.discard(src)
+            self.clocks[src] = clock
+            self._release()
+            return
+        if flags & w.SAVE:
+            if self.save is not None:
+                self.save(clock, {"ps": Shard(self)})
+            return
+        if flags & w.ROWS:
+            self._serve_rows(src, int(hdr[5]), int(hdr[6]))
+            return
+        self.clocks[src] = max(self.clocks[src], clock)
+        pull = bool(flags & w.PULL)
+        if flags & w.PUSH:
+            grad = self._recv(torch.empty_like(self.flat), src, w.TAG_GRAD)
+            rows = self._recv_rows(src)
+            self.stats["pushes"] += 1
+            self.stats["push_t"][src].append(round(time.perf_counter() - self.t0, 6))
+            if self.q.mode == "sync":
+                self.round[src] = (grad, rows)
+                self.waiting.append((src, clock, pull))
+                if len(self.round) == self.roles.n_workers:
+                    self._apply_round(float(hdr[2]))
+                return
+            self.stats["staleness"][self.version - int(hdr[4])] += 1
+            self._update(grad, rows, float(hdr[2]), float(hdr[3]))
+        if pull or flags & w.TICK:
+            self.waiting.append((src, clock, pull))
+        self._release()
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        if t.numel():  # an empty piece is never sent (ps.py)
+            w.recv(self.pg, t, src, tag).wait()
+            self.stats["bytes_in"] += t.numel() * t.element_size()
+        return t
+
+    def _init(self, src: int, clock: int, count: int) -> None:
+        table = torch.empty(count, 6, dtype=torch.int64)
+        w.recv(self.pg, table, src, w.TAG_INIT).wait()
+        rows = table.tolist()
+        dense = [r for r in rows if r[4] == 0]
+        sizes = [r[2] - r[1] for r in dense]
+        self.flat = self._recv(torch.empty(sum(sizes)), src, w.TAG_GRAD)
+        # Pieces are views of one flat buffer (what a pull sends); the optimizer steps them.
+        self.pieces = [torch.nn.Parameter(v) for v in self.flat.split(sizes)]
+        lr = self.cfg.ps.lr or self.cfg.optim.lr
+        decay = [p for p, row in zip(self.pieces, dense) if row[3] >= 2]
+        no_decay = [p for p, row in zip(self.pieces, dense) if row[3] < 2]
+        self.opt = server_optimizer(self.cfg, decay, no_decay, lr) if self.pieces else None
+        sent = [r for r in rows if r[4] and r[5]]
+        values = self._recv(torch.empty(sum((r[2] - r[1]) * r[4] for r in sent)), src, w.TAG_ROWS)
+        values = iter(values.split([(r[2] - r[1]) * r[4] for r in sent]))
+        for param, start, stop, _, width, given in (r for r in rows if r[4]):
+            init = (next(values).view(stop - start, width).clone() if given else
+                    ps_rows.draw_rows(start, stop, width, self.q.row_init_std, self.cfg.run.seed * 7919 + param))
+            self.tables[param] = ps_rows.RowShard(
+                start, stop, init, lambda ps, lr=lr: server_optimizer(self.cfg, ps, [], lr))
+        self.clocks = [clock] * self.roles.n_workers
+        if self.load is not None:
+            self.load(clock, {"ps": Shard(self)})
+            for p in self.pieces:
+                p.grad = None
+        self._release()
+
+    def _serve_rows(self, src: int, param: int, n: int) -> None:
+        ids = self._recv(torch.empty(n, dtype=torch.int64), src, w.TAG_IDS)
+        rows = self.tables[param].lookup(ids)
+        w.send(self.pg, rows, src, w.TAG_ROWS).wait()
+        self.stats["rows_fetched"] += n
+        self.stats["row_bytes_in"] += ids.numel() * 8
+        self.stats["row_bytes_out"] += rows.numel() * 4
+        self.stats["bytes_out"] += rows.numel() * 4
+
+    def _recv_rows(self, src: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A push's gradient rows: ``{table parameter: (global row ids, rows)}``."""
+        if not self.tables:
+            return {}
+        counts = torch.empty(len(self.tables), dtype=torch.int64)
+        w.recv(self.pg, counts, src, w.TAG_COUNTS).wait()
+        widths = [t.rows.shape[1] for t in self.tables.values()]
+        ids = self._recv(torch.empty(int(counts.sum()), dtype=torch.int64), src, w.TAG_IDS)
+        vals = self._recv(torch.empty(sum(c * d for c, d in zip(counts.tolist(), widths))), src, w.TAG_ROWS)
+        self.stats["rows_pushed"] += ids.numel()
+        self.stats["row_bytes_in"] += ids.numel() * 8 + vals.numel() * 4
+        return {k: (i, v.view(-1, d)) for k, i, v, d in zip(
+            self.tables, ids.split(counts.tolist()), vals.split([c * d for c, d in zip(counts.tolist(), widths)]),
+            widths)}
+
+    def _release(self) -> None:
+        """Answer the replies that may go: all of them, except under ssp a worker too far ahead."""
+        if self.flat is None or self.q.mode == "sync" and self.round:
+            return
+        slowest = min((self.clocks[k] for k in self.active), default=0)
+        keep = []
+        for src, clock, pull in self.waiting:
+            gap = clock - slowest
+            if self.q.mode == "ssp" and gap > self.q.max_staleness and src in self.active:
+                keep.append((src, clock, pull))
+                continue
+            if self.q.mode == "ssp":
+                self.stats["clock_gap"][gap] += 1
+            self._reply(src, pull)
+        self.waiting = keep
+
+    def _reply(self, dst: int, with_params: bool) -> None:
+        w.send(self.pg, torch.tensor([self.version, 0, 0, 0], dtype=torch.float64), dst, w.TAG_REP).wait()
+        if with_params:
+            self.stats["pulls"] += 1
+            if self.flat.numel():
+                self.stats["bytes_out"] += self.flat.numel() * self.flat.element_size()
+                w.send(self.pg, self.flat, dst, w.TAG_PARAM).wait()
+
+    # -- updates
+    def _apply_round(self, lr: float) -> None:
+        n = self.roles.n_workers
+        total = self.round[0][0].clone()
+        for k in range(1, n):
+            total += self.round[k][0]
+        total /= n
+        rows = {}  # each table's rows summed in worker order (index_add_ in order), averaged
+        for t in self.tables:
+            ids, g = ps_rows.coalesce(torch.cat([self.round[k][1][t][0] for k in range(n)]),
+                                      torch.cat([self.round[k][1][t][1] for k in range(n)]))
+            rows[t] = (ids, g / n)
+        self.round = {}
+        sq = torch.nn.utils.get_total_norm(list(total.split([p.numel() for p in self.pieces])) +
+                                           [g for _, g in rows.values()]) ** 2
+        if self.roles.n_servers > 1:
+            dist.all_reduce(sq)  # the norm of the whole averaged gradient, over every server's shard
+        self._update(total, rows, lr, float(sq.sqrt()))
+        self._release()
+
+    @torch.no_grad()
+    def _update(self, grad: torch.Tensor, rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                lr: float, norm: float) -> None:
+        self.faults.after_forward(self.version + 1, torch.zeros(()))  # fault.inject on a server
+        if not torch.isfinite(torch.tensor(norm)):
+            self.stats["skipped"] += 1  # as the loop's guard skips a non-finite step
+            return
+        for p, g in zip(self.pieces, grad.split([p.numel() for p in self.pieces])):
+            p.grad = g
+        touched = [(self.tables[t], ids, self.tables[t].param(ids, g)) for t, (ids, g) in rows.items() if len(ids)]
+        clip = self.cfg.optim.grad_clip
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.pieces + [q for _, _, q in touched], clip,
+                                                 torch.tensor(norm))
+        if self.opt is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr * self.lr_scale
+            self.opt.step()
+        for shard, ids, q in touched:
+            shard.step(q, ids, lr * self.lr_scale)
+        for p in self.pieces:
+            p.grad = None
+        self.version += 1
+        self.stats["updates"] += 1
+
+    def report(self) -> dict[str, Any]:
+        out = dict(self.stats)
+        for k in ("staleness", "clock_gap"):
+            out[k] = {str(v): n for v, n in sorted(self.stats[k].items())}
+        out.update(server=self.roles.index, shard_bytes=self.flat.numel() * 4 if self.flat is not None else 0,
+                   table_bytes=sum(t.rows.numel() * 4 for t in self.tables.values()), version=self.version)
+        return out
+
+
+def serve(cfg: Config, roles: w.Roles, pg: dist.ProcessGroup, run_dir: Path, *,
+          save: SaveFn | None = None, load: LoadFn | None = None) -> dict[str, Any]:
+    """Run this server until every worker is done; its statistics go to ``ps/server<i>.json``
+    in the run directory (per-server load, bytes, staleness histogram, push times), and its
+    load and bytes as one line of metrics.jsonl (appended after worker 0 closed it: the servers
+    finish only after every worker's loop has)."""
+    stats = Server(cfg, roles, pg, save=save, load=load).run()
+    out = run_dir / "ps"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"server{roles.index}.json").write_text(json.dumps(stats, indent=1) + "\n")
+    line = {"step": stats["version"], "ps_server": roles.index,
+            "ps_load": stats["busy_s"] / max(stats["wall_s"], 1e-12),
+            **{f"ps_{k}": stats[k] for k in ("updates", "pushes", "pulls", "bytes_in", "bytes_out",
+                                             "rows_fetched", "rows_pushed", "staleness", "clock_gap")},
+            "time": time.time()}
+    with open(run_dir / "metrics.jsonl", "a") as f:  # one write of one line: O_APPEND keeps it whole
+        f.write(json.dumps(line) + "\n")
+    return stats

@@ -1,0 +1,116 @@
+"""The parameter server's shared vocabulary: who is a server, which server owns which piece of
+which parameter, and the fixed-size tensor messages the roles exchange.
+
+Roles: the job's last ``ps.servers`` ranks are servers, the others workers, so worker ranks
+equal their global ranks (rank 0, a worker, writes the metrics as in every other layout). Each
+role has a default process group of its own (a prefix of the launcher's store, so the
+trainer's collectives span the workers only and the servers' checkpoint collectives the servers
+only), and one gloo group over every rank carries the point-to-point traffic between them.
+
+Messages are plain tensors sent with gloo's ``send``/``recv`` (nothing is pickled): a request
+header of 8 float64 from a worker, then its payload (a push: the dense gradient pieces, then
+for embedding tables (sync/ps_rows.py) the row count per table piece, the row ids and the
+gradient rows; a ROWS fetch: the ids, answered with the rows); a reply header of 4 float64 from a server,
+then the parameters. Float64 holds every clock, version and count exactly (below 2**53).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Request flags (a worker's header[0]); several may be set in one request.
+PUSH, PULL, INIT, DONE, SAVE, TICK, ROWS = 1, 2, 4, 8, 16, 32, 64
+# Tags keep the streams of one pair of ranks apart.
+TAG_REQ, TAG_GRAD, TAG_REP, TAG_PARAM, TAG_INIT, TAG_COUNTS, TAG_IDS, TAG_ROWS = 1, 2, 3, 4, 5, 6, 7, 8
+REQ_LEN, REP_LEN = 8, 4
+
+
+@dataclass(frozen=True)
+class Roles:
+    server: bool
+    index: int        # rank within this role's default group
+    size: int         # ranks of this role
+    n_workers: int
+    n_servers: int
+    rank: int         # rank in the whole job (= in the cross-role group)
+    world: int
+    role_store: dist.Store
+    cross_store: dist.Store
+
+    def server_rank(self, s: int) -> int:
+        return self.n_workers + s
+
+
+@functools.lru_cache(maxsize=None)
+def ps_roles(servers: int, rank: int, world: int, timeout_s: float) -> Roles:
+    """This rank's role, from the launcher's env:// store (the same one, with torchelastic's
+    per-attempt prefix, that ``init_process_group`` would use). Cached: worker.py and
+    build_sync ask alike, and one store client per process suffices."""
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world,
+                                       timeout=datetime.timedelta(seconds=timeout_s)))
+    n_workers = world - servers
+    server = rank >= n_workers
+    role = "servers" if server else "workers"
+    return Roles(server, rank - n_workers if server else rank, servers if server else n_workers,
+                 n_workers, servers, rank, world, dist.PrefixStore(f"ps-{role}/", store),
+                 dist.PrefixStore("ps-cross/", store))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of the flattened trainable parameter ``param``, on ``server``
+    (for an embedding table: rows ``[start, stop)``)."""
+
+    param: int
+    start: int
+    stop: int
+    server: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def plan_shards(numels: list[int], elem_bytes: list[int], servers: int) -> list[Piece]:
+    """Cut the concatenation of the flattened parameters into ``servers`` contiguous ranges of
+    equal bytes (to one element): a tensor larger than a share is split across servers, small
+    ones stay whole unless they straddle a boundary. Deterministic: every rank computes it alike."""
+    total = sum(n * b for n, b in zip(numels, elem_bytes))
+    bounds = [total * (s + 1) / servers for s in range(servers)]
+    pieces: list[Piece] = []
+    s, offset = 0, 0  # current server; bytes before the current parameter
+    for i, (n, b) in enumerate(zip(numels, elem_bytes)):
+        start = 0
+        while start < n:
+            # elements of this parameter that fit before server s's upper bound
+            fit = n if s == servers - 1 else min(n, max(start, int(-(-(bounds[s] - offset) // b))))
+            if fit > start:
+                pieces.append(Piece(i, start, fit, s))
+                start = fit
+            if start < n:
+                s += 1
+        offset += n * b
+    return pieces
+
+
+def server_pieces(plan: list[Piece], server: int) -> list[Piece]:
+    return [p for p in plan if p.server == server]
+
+
+def request(flags: int, clock: int, lr: float = 0.0, norm: float = 0.0, version: int = 0,
+            count: int = 0, rows: int = 0) -> torch.Tensor:
+    """``count``: INIT's pieces, or the table a ROWS fetch reads; ``rows``: the ids that follow."""
+    return torch.tensor([flags, clock, lr, norm, version, count, rows, 0], dtype=torch.float64)
+
+
+def send(pg: dist.ProcessGroup, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
+    return pg.send([t], dst, tag)
+
+
+def recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int, tag: int) -> dist.Work:
+    return pg.recv([t], src, tag)
