@@ -8,6 +8,7 @@ reconciled -> clip -> AdamW step -> schedule step -> metrics -> maybe eval -> ma
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -87,11 +88,16 @@ class Trainer:
         self.tokens_per_sample: int | None = None
         self.steplog = StepLog(mesh, r.global_batch)
         prec = self.layout.precision
-        self.flops = StepFlops.start(
+        # FLOPs are counted once, on this rank's first batch (fit); every sample is read once,
+        # in order, so a dataset that records its reads or a stream sees nothing extra.
+        self._count_flops = functools.partial(
+            StepFlops.start,
             (lambda: job.model(cfg)) if job.model else (lambda: build_reference_model(cfg, vocab)),
-            collate(self.train_ds, [0]), self.loss_fn, global_batch=r.global_batch, device=mesh.device,
+            loss_fn=self.loss_fn, global_batch=r.global_batch, device=mesh.device,
             bf16=prec.autocast or prec.param_dtype == torch.bfloat16, threads=torch.get_num_threads(),
             devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier)
+        self.flops: StepFlops | None = None
+        self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -154,7 +160,9 @@ class Trainer:
                                                  r.micro_batches)
         loss_sum = torch.zeros((), device=self.mesh.device)
         for i, idx in enumerate(micro):
-            x, y = self._to_device(collate(self.train_ds, idx))
+            first, self._first = (self._first, None) if i == 0 else (None, self._first)
+            batch = first[1] if first is not None and first[0] == step else collate(self.train_ds, idx)
+            x, y = self._to_device(batch)
             if self.tokens_per_sample is None:
                 self.tokens_per_sample = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1
             # fault.inject "nan" poisons the step's first loss
@@ -203,6 +211,11 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
                                 tensorboard=cfg.log.tensorboard)
+        if ts.step < r.steps:
+            idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
+                                                   r.micro_batches)[0]
+            self._first = (ts.step, collate(self.train_ds, idx))
+            self.flops = self._count_flops(self._first[1])
         metrics.message(f"allhands: {self.sync_note}")
         if self.flops is not None:
             metrics.message(self.flops.describe())
