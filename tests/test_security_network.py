@@ -129,7 +129,7 @@ def test_rank_with_another_secret_is_refused_before_any_tensor(tmp_path, cli_env
     err = _finish([proc])[0]
     assert proc.returncode == 1, err[-3000:]
     refusal = [ln for ln in err.splitlines() if ln.startswith("allhands: intrusion:")]
-    assert any(re.search(r"refused key '/worker/attempt_0/0//cpu//0/1' in the worker store at "
+    assert any(re.search(r"refused key '0//cpu//0/1' in the worker store at "
                          r"127\.0\.0\.1:\d+: its value has no valid MAC", ln)
                for ln in refusal), err[-3000:]
     summary = [ln for ln in err.splitlines() if ln.startswith("allhands: error:")]

@@ -183,15 +183,17 @@ def _worker_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     records (and every other value) are the job's own; plain ``env://`` with --insecure.
 
     The same client torch's ``env://`` rendezvous builds (``_create_c10d_store``): a TCPStore
-    client of the agent's store with the keys of this attempt under ``/worker/attempt_N``, or,
-    without the agent's store, one hosted by rank 0."""
+    client of the agent's store (a fresh one every round), or, without the agent's store, one
+    hosted by rank 0."""
     secret, _, _ = worker_admission_env()
     if not secret:
         return {"init_method": "env://"}
-    addr, port, agent_store, attempt = worker_store_env()
+    addr, port, agent_store, _ = worker_store_env()
     where = f"worker store at {addr}:{port}"
     if agent_store:
         tcp = dist.TCPStore(addr, port, world_size, False, timeout=timeout)
-        return {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", sealed(tcp, secret, where))}
+        # No per-attempt prefix, as torch's own env:// client: every round has a store of its
+        # own, and a node that rejoins has another restart count than the nodes that stayed.
+        return {"store": sealed(tcp, secret, where)}
     tcp = dist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
     return {"store": sealed(tcp, secret, where)}

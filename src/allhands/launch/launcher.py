@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from allhands import admission, safefs
+from allhands.authstore import IntrusionError
 from allhands.config import Config, validate
 from allhands.errors import ConfigError, LaunchError
 from allhands.launch import rendezvous
@@ -161,6 +163,22 @@ def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
+def _quiet_intrusions_in_threads() -> None:
+    """torch's rendezvous keep-alive runs in a timer thread; a forged record it reads raises
+    IntrusionError there, which authstore has already said in one line: no thread traceback on
+    top of it. Every other exception of a thread keeps Python's hook."""
+    if getattr(threading.excepthook, "_allhands", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.exc_value, IntrusionError):
+            previous(args)
+
+    hook._allhands = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 0,
            log_dir: Path | None = None, policy: Any = None, run_dir: Path | None = None,
            timeouts: Any = None) -> None:
@@ -171,6 +189,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     """
     spec = spec.validated()
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
+    _quiet_intrusions_in_threads()
     if policy is None:
         policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
 
