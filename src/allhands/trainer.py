@@ -159,9 +159,9 @@ class Trainer:
         micro = self.sampler.local_micro_batches(step, self.mesh.dp_rank, self.mesh.dp_size,
                                                  r.micro_batches)
         loss_sum = torch.zeros((), device=self.mesh.device)
+        first, self._first = self._first, None  # fit read this step's first micro-batch ahead
         for i, idx in enumerate(micro):
-            first, self._first = (self._first, None) if i == 0 else (None, self._first)
-            batch = first[1] if first is not None and first[0] == step else collate(self.train_ds, idx)
+            batch = first[1] if i == 0 and first and first[0] == step else collate(self.train_ds, idx)
             x, y = self._to_device(batch)
             if self.tokens_per_sample is None:
                 self.tokens_per_sample = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1
