@@ -96,6 +96,9 @@ def test_restart_limit_exceeded_stops_cleanly_with_one_line(token_dir, tmp_path,
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("allhands: error: worker rank 0"), r.stderr
     assert "killed by SIGKILL" in last and "gave up after 1 restart(s)" in last
+    # The fix, for this path: continue from the checkpoint, or allow more restarts.
+    assert f"with --resume {run_dir}, or allow more with --max-restarts N" in last, last
+    assert "lost node" not in r.stderr  # one node: a worker died, no node was lost
     assert "Traceback" not in r.stderr
     assert [e["verdict"] for e in restarts(run_dir)] == ["restart", "give_up"]
     assert_nothing_corrupt(run_dir / "checkpoints", finished=False)
@@ -103,7 +106,8 @@ def test_restart_limit_exceeded_stops_cleanly_with_one_line(token_dir, tmp_path,
 
 def test_a_hung_rank_is_named_within_the_timeout(token_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=1:3:hang", "fault.hang_timeout_s=3")
+    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=1:3:hang", "fault.hang_timeout_s=3",
+                      "fault.max_restarts=0")
     with pytest.raises(LaunchError, match=r"worker rank 1 \(pid \d+\) on node \S+ hung: no progress "
                                           r"for [\d.]+ s .*hang_timeout_s=3\)"):
         train_job(cfg, LaunchSpec(nproc=2))

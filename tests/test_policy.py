@@ -75,22 +75,61 @@ def test_a_flake_before_progress_is_retried_without_counting_up_to_the_limit():
 
 
 @pytest.mark.parametrize("node", [None, "10.61.0.2"])
-def test_restarts_count_to_the_limit_then_give_up_with_the_fix_for_the_path(node):
+def test_restarts_count_to_the_limit_then_give_up_with_the_fix_for_the_path(node, tmp_path):
     c = Clock()
-    job = c.job(RestartPolicy(max_restarts=2, backoff_s=0.5), node=node)
+    job = c.job(RestartPolicy(max_restarts=2, backoff_s=0.5), tmp_path, node=node)
     for k in (1, 2):
         d = job.decide(KILLED, progressed=True)
         assert (d.verdict, d.what, d.attempt) == ("restart", f"restart {k}/2", k - 1)
         job.backoff(d)
     assert c.lines[0].startswith(f"allhands: {KILLED}; restart 1/2 from ")
     assert c.lines[0].endswith(" after 0.5 s (re-rendezvous of all nodes)" if node else " after 0.5 s")
+    commit_checkpoint(tmp_path, 4)
     d = job.decide(KILLED, progressed=True)
     assert d.verdict == "give_up" and d.stops
-    fix = "continue by starting the job again" if node else "continue with --resume"
-    assert job.stop(d) == (f"{KILLED}; gave up after 2 restart(s) (fault.max_restarts=2); the last "
-                           f"committed checkpoint is intact, {fix}")
-    none_allowed = c.job(RestartPolicy(max_restarts=0), node=node)
-    assert none_allowed.stop(none_allowed.decide(KILLED, True)) == KILLED  # nothing was tried
+    fix = ("continue by starting the job again on every node" if node
+           else f"continue from checkpoint step 4 with --resume {tmp_path}")
+    assert job.stop(d) == (f"{KILLED}; gave up after 2 restart(s) (fault.max_restarts=2): {fix}, "
+                           f"or allow more with --max-restarts N")
+    none_allowed = c.job(RestartPolicy(max_restarts=0), tmp_path, node=node)
+    assert none_allowed.stop(none_allowed.decide(KILLED, True)) == (
+        f"{KILLED}; restarts are off (fault.max_restarts=0): {fix}, or pass --max-restarts N")
+
+
+def test_the_same_exception_after_a_restart_is_a_bug_and_stops_the_job(tmp_path):
+    """A worker's own exception, word for word again after the restart from the same checkpoint
+    (pids aside), would repeat on every restart: one restart, then stop with the fix."""
+    bug = "worker rank 1 (pid {}) on node a failed: TypeError: forward() got an unexpected keyword 'mask'"
+    c = Clock()
+    job = c.job(RestartPolicy(max_restarts=3), tmp_path)
+    first = job.decide(bug.format(11), progressed=False)
+    assert first.verdict == "restart"  # once: it may have been a one-off
+    job.backoff(first)
+    d = job.decide(bug.format(12), progressed=False)
+    assert d.verdict == "repeated" and d.stops and job.restarts == 1
+    assert job.stop(d) == (f"{bug.format(12)}; the same error as the attempt before, so a bug to fix "
+                           f"rather than a fault to restart: fix it, then continue from the start (no "
+                           f"committed checkpoint yet) with --resume {tmp_path}")
+    assert [r["verdict"] for r in records(tmp_path)] == ["restart", "repeated"]
+    # Deaths, hangs, lost peers and communication errors are not bugs, however alike; another
+    # exception is not the same bug.
+    p = RestartPolicy(max_restarts=3)
+    for same in (KILLED, "worker rank 0 (pid 3) on node a failed: its peer worker rank 1 died "
+                         "(killed by SIGKILL)",
+                 "worker rank 0 (pid 3) on node a failed: RuntimeError: [gloo] Timed out waiting 30000ms"):
+        assert p.decide(same, 1, 0, True, previous=same) == "restart", same
+    assert p.decide(bug.format(1), 1, 0, True, previous=bug.replace("mask", "bias").format(1)) == "restart"
+    assert p.decide(bug.format(1), 3, 0, True, previous=bug.format(1)) == "give_up"  # none left
+
+
+def test_recovery_is_on_by_default_and_the_start_up_line_says_so():
+    default = restart_policy(Config(), LaunchSpec())
+    assert default.max_restarts == Config().fault.max_restarts == 3
+    assert default.describe() == ("allhands: recovery: up to 3 restart(s) from the last checkpoint "
+                                  "(fault.max_restarts, --max-restarts N)")
+    assert "all nodes re-rendezvous" in default.describe(multi_node=True)
+    off = restart_policy(Config(), LaunchSpec(max_restarts=0)).describe()
+    assert off.startswith("allhands: recovery: off (fault.max_restarts=0)") and "--max-restarts N" in off
 
 
 def test_the_backoff_doubles_while_stalled_resets_after_progress_and_is_capped():

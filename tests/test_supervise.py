@@ -265,6 +265,12 @@ def test_failure_lines_name_the_lost_peer_node_and_its_ranks():
                     "ranks 2-3): gloo: Connection closed by peer [10.61.0.2]:32440")
     killed = describe_failures({3: failure(3, "", 9, exitcode=-9)}, 3, "h")
     assert killed == "worker rank 3 (pid 9) on node h failed: killed by SIGKILL"
+    # One node: no node was lost; the peer that lost a worker names that worker and how it died.
+    local = gloo.replace("10.61.0.2", "127.0.0.1")
+    line = describe_failures({0: failure(0, {"message": local}, 11), 1: failure(1, "", 12, exitcode=-9)},
+                             1, "h", single_node=True)
+    assert line == ("worker rank 1 (pid 12) on node h failed: killed by SIGKILL; worker rank 0 (pid 11) "
+                    "on node h failed: its peer worker rank 1 died (killed by SIGKILL)")
 
 
 def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch():
@@ -332,9 +338,10 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
         agent._add_local_failures(result, group, exits)
         assert sorted(result.failures) == [0, 1]
         assert first_failure(result.failures) == 1  # rank 0 only lost it
-        summary = describe_failures(result.failures, first_failure(result.failures), "127.0.0.1")
+        summary = describe_failures(result.failures, first_failure(result.failures), "127.0.0.1",
+                                    single_node=True)
         assert summary.startswith("worker rank 1") and "connectFullMesh" in summary, summary
-        assert "lost node 127.0.0.1" in summary, summary
+        assert "a peer worker on this node died: gloo: " in summary and "lost node" not in summary, summary
         assert RestartPolicy(max_restarts=0).decide(summary, 0, 0, False) == "flake"
         assert RestartPolicy(max_restarts=0).decide(describe_failures(
             {0: result.failures[0]}, 0, "127.0.0.1"), 0, 0, False) == "give_up"  # rank 0 alone

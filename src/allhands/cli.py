@@ -53,7 +53,7 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="single-node rendezvous port on 127.0.0.1, 1-65535 (default: a free one)")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
                    help="restart all workers this many times after a failure, >= 0 (default: "
-                        "fault.max_restarts of the config)")
+                        "fault.max_restarts of the config, 3 unless set; 0 turns recovery off)")
     s = p.add_argument_group("security (SECURITY.md)")
     s.add_argument("--bind", default="", metavar="ADDR",
                    help="address this node's listeners bind to (default: 127.0.0.1 on one node; "

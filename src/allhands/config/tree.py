@@ -156,7 +156,8 @@ class CheckpointConfig:
 class FaultConfig:
     """Surviving failures: restarts, the hang watchdog, non-finite numbers, injected faults."""
 
-    max_restarts: int = _f(0, "restart all workers from the last checkpoint this many times, >= 0")
+    max_restarts: int = _f(3, "restart all workers from the last checkpoint this many times, >= 0 "
+                              "(0: a failed worker ends the job)")
     backoff_s: float = _f(1.0, "wait before a restart: backoff_s * 2**(k-1) after k failures in a row "
                                     "that completed no step, capped at 60 s; >= 0")
     hang_timeout_s: float = _f(180.0, "kill a worker with no step progress for this long; 0 disables")

@@ -61,10 +61,11 @@ def first_failure(failures: dict[int, Any]) -> int:
 
 
 def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
-                      members: dict[str, tuple[int, int]] | None = None) -> str:
+                      members: dict[str, tuple[int, int]] | None = None, single_node: bool = False) -> str:
     """'worker rank R (pid P) on node N failed: cause' for the first failure and any other rank
     that raised; ranks the agent merely terminated after the first failure are left out. A gloo
-    error about a peer names that peer's node (and its worker ranks, from ``members``)."""
+    error about a peer names that peer's node (and its worker ranks, from ``members``); on a
+    single node no node was lost, so it names the worker that died instead."""
     lines = []
     for rank, f in sorted(failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
         raised = isinstance(f.message, dict)
@@ -74,12 +75,15 @@ def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
             full = str(f.message.get("message", "")).strip()
             msg = full.splitlines()[0] if full else "raised an exception"
             peer = _GLOO_PEER.search(full)
-            if peer:
+            if peer and single_node:
+                dead = failures.get(first_rank)
+                msg = (f"its peer worker rank {first_rank} died ({_death(dead)})"
+                       if rank != first_rank and dead is not None and not isinstance(dead.message, dict)
+                       else f"a peer worker on this node died: gloo: {peer.group(1)}")
+            elif peer:
                 msg = f"lost node {peer.group(2)}{_ranks_of(peer.group(2), members)}: gloo: {peer.group(1)}"
-        elif f.exitcode < 0:
-            msg = f"killed by {f.signal_name()}"
         else:
-            msg = f"exited with code {f.exitcode} (its output above says why)"
+            msg = _death(f)
         lines.append((rank, f.pid, msg))
     # The same cause on several ranks (every rank rejecting the same input) is said once.
     causes = {msg: [(r, p) for r, p, m in lines if m == msg] for _, _, msg in lines}
@@ -88,6 +92,13 @@ def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
         else f"worker ranks {', '.join(str(r) for r, _ in who)} (pids {', '.join(str(p) for _, p in who)}) "
              f"on node {node} failed: {msg}"
         for msg, who in causes.items())
+
+
+def _death(f: Any) -> str:
+    """How a worker that raised nothing ended: a signal, or an exit code."""
+    if f.exitcode < 0:
+        return f"killed by {f.signal_name()}"
+    return f"exited with code {f.exitcode} (its output above says why)"
 
 
 def _ranks_of(addr: str, members: dict[str, tuple[int, int]] | None) -> str:
@@ -276,7 +287,8 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
             final = getattr(agent, "final", None)
             if final:
                 raise WorkerFailure(final)
-            raise WorkerFailure(describe_failures(result.failures, first_failure(result.failures), node))
+            raise WorkerFailure(describe_failures(result.failures, first_failure(result.failures), node,
+                                                  single_node=policy is None))
         return result.return_values
     except SignalException:
         shutdown = False  # as launch_agent: a signalled agent leaves the rendezvous open

@@ -315,8 +315,10 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
           file=sys.stderr, flush=True)
     if spec.rdzv_store == "external" and not spec.run_id:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
+    policy = restart_policy(cfg, spec)
+    print(policy.describe(spec.multi_node), file=sys.stderr, flush=True)
     launch(worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
-           log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
+           log_dir=Path(cfg.run.dir) / "logs", policy=policy,
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))
 
 

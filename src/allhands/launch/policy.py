@@ -22,6 +22,7 @@ injectable, so that the policy is tested without processes or waiting (tests/tes
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -40,6 +41,21 @@ TRANSIENT_CAUSES = ("connectFullMesh", "Connection refused", "RendezvousTimeoutE
 MAX_FLAKE_RETRIES = 2
 # A flake is a race in a fresh rendezvous, not a crash loop: a short fixed wait, no backoff.
 FLAKE_DELAY_S = 1.0
+# Causes that are the machine's or the network's doing, never a bug of the job: a death by signal
+# or exit code, a hang, a lost peer or node, a communication error or timeout. Any other cause is
+# an exception a worker raised, and one that comes back word for word after a restart from the
+# same checkpoint is the job's own bug: every further restart would repeat it ("repeated").
+NOT_A_BUG = ("killed by", "exited with code", " died", " hung: ", "lost node", "gloo", "nccl",
+             "connect", "timed out", "timeout", *(c.lower() for c in TRANSIENT_CAUSES))
+_PIDS = re.compile(r" \(pids? [\d, ]+\)")
+
+
+def bug_signature(summary: str) -> str | None:
+    """``summary`` without its pids when every cause in it is an exception a worker raised
+    (see NOT_A_BUG), else None: the key under which two attempts failed the same way."""
+    if any(c in summary.lower() for c in NOT_A_BUG):
+        return None
+    return _PIDS.sub("", summary)
 
 
 class WorkerFailure(LaunchError):
@@ -57,6 +73,8 @@ def say(msg: str) -> None:
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    # 0 here (no restarts unless asked: ``allhands launch SCRIPT`` owns its checkpoints); a
+    # training job gets fault.max_restarts, 3 by default.
     max_restarts: int = 0
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0
@@ -66,13 +84,27 @@ class RestartPolicy:
         """Seconds to wait before restart number ``restart`` (1-based): doubling, capped."""
         return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, restart - 1))
 
-    def decide(self, summary: str, restarts_done: int, flakes: int, progressed: bool) -> str:
-        """'fatal', 'flake' (retry, not counted), 'restart' or 'give_up'."""
+    def decide(self, summary: str, restarts_done: int, flakes: int, progressed: bool,
+               previous: str = "") -> str:
+        """'fatal', 'flake' (retry, not counted), 'repeated' (the same exception as the failed
+        attempt before, ``previous``: a bug), 'restart' or 'give_up'."""
         if any(c in summary for c in FATAL_CAUSES):
             return "fatal"
         if not progressed and flakes < MAX_FLAKE_RETRIES and any(c in summary for c in TRANSIENT_CAUSES):
             return "flake"
+        bug = bug_signature(summary)
+        if restarts_done < self.max_restarts and bug is not None and bug == bug_signature(previous):
+            return "repeated"
         return "restart" if restarts_done < self.max_restarts else "give_up"
+
+    def describe(self, multi_node: bool = False) -> str:
+        """The start-up line that says what happens when a worker fails."""
+        if self.max_restarts == 0:
+            return ("allhands: recovery: off (fault.max_restarts=0): a failed worker ends the job; "
+                    "--max-restarts N restarts it from the last checkpoint")
+        every = " (all nodes re-rendezvous)" if multi_node else ""
+        return (f"allhands: recovery: up to {self.max_restarts} restart(s) from the last checkpoint"
+                f"{every} (fault.max_restarts, --max-restarts N)")
 
     def for_job(self, run_dir: Path | None, node: str | None = None, **io) -> "JobRestarts":
         """A fresh account of restarts for one job (see :class:`JobRestarts` for ``io``)."""
@@ -83,7 +115,7 @@ class RestartPolicy:
 class Decision:
     """What :meth:`JobRestarts.decide` made of one failed attempt."""
 
-    verdict: str  # restart | flake | fatal | give_up | admit (a node joins; not a failure)
+    verdict: str  # restart | flake | fatal | repeated | give_up | admit (a node joins; not a failure)
     summary: str  # the failure in one line, the watchdog's hang reports first
     attempt: int  # which attempt of this job failed, from 0
     failed_at: float
@@ -93,7 +125,7 @@ class Decision:
 
     @property
     def stops(self) -> bool:
-        return self.verdict in ("fatal", "give_up")
+        return self.verdict in ("fatal", "repeated", "give_up")
 
 
 class JobRestarts:
@@ -111,15 +143,17 @@ class JobRestarts:
         # restarts: counted against max_restarts; flakes: retries since the last restart;
         # stalled: restarts in a row whose attempt completed no step (the backoff's exponent).
         self.restarts = self.flakes = self.stalled = self.attempts = 0
+        self.previous = ""  # the last failure's summary (a repeated bug stops the job)
 
     def decide(self, summary: str, progressed: bool, hangs: Iterable[str] = ()) -> Decision:
         """Judge a failed attempt and count it. ``progressed``: it completed a step; ``hangs``:
         the watchdog's reports of the workers it killed, which lead the summary."""
         hangs = list(hangs)
         summary = "; ".join([*hangs, summary])
-        d = Decision(self.policy.decide(summary, self.restarts, self.flakes, progressed), summary,
-                     self.attempts, self.clock(), bool(hangs))
+        d = Decision(self.policy.decide(summary, self.restarts, self.flakes, progressed, self.previous),
+                     summary, self.attempts, self.clock(), bool(hangs))
         self.attempts += 1
+        self.previous = summary
         if d.verdict == "flake":
             self.flakes += 1
             return replace(d, delay_s=FLAKE_DELAY_S,
@@ -146,13 +180,24 @@ class JobRestarts:
 
     def stop(self, d: Decision) -> str:
         """The job ends with ``d``: record it and return the one line to end with."""
-        self.record(d, resume_from=self.resume_from())
-        if d.verdict == "fatal" or self.policy.max_restarts == 0:
+        resume = self.resume_from()
+        self.record(d, resume_from=resume)
+        if d.verdict == "fatal":  # its own message names the fix
             return d.summary
-        again = "by starting the job again" if self.node is not None else "with --resume"
+        if self.node is not None:
+            again = "continue by starting the job again on every node"
+        elif self.run_dir is None:
+            again = "continue by starting the script again"
+        else:
+            again = f"continue from {resume} with --resume {self.run_dir}"
+        if d.verdict == "repeated":
+            return (f"{d.summary}; the same error as the attempt before, so a bug to fix rather "
+                    f"than a fault to restart: fix it, then {again}")
+        if self.policy.max_restarts == 0:
+            return f"{d.summary}; restarts are off (fault.max_restarts=0): {again}, or pass --max-restarts N"
         return (f"{d.summary}; gave up after {self.restarts} restart(s) "
-                f"(fault.max_restarts={self.policy.max_restarts}); the last committed "
-                f"checkpoint is intact, continue {again}")
+                f"(fault.max_restarts={self.policy.max_restarts}): {again}, or allow more "
+                f"with --max-restarts N")
 
     def admit(self) -> None:
         """A node waits to join, so torch restarts every worker to admit it: not a failure and

@@ -18,7 +18,8 @@ from allhands.plan.search import with_layout
 
 # No evaluation, checkpoint or progress bar: the steps and the memory record only.
 QUIET = ["run.eval_interval=0", "data.eval_batches=0", "checkpoint.interval=0",
-         "checkpoint.at_end=false", "log.progress=false", "log.tensorboard=false", "log.interval=1"]
+         "checkpoint.at_end=false", "log.progress=false", "log.tensorboard=false", "log.interval=1",
+         "fault.max_restarts=0"]  # a layout that fails is a finding, not a fault to restart
 
 
 @dataclass
