@@ -125,6 +125,7 @@ CLI = [
     (["train", "--nproc", "2", *T, "--set", "run.global_batch=7", "--set", f"run.dir={NEW}"], 2,
      "global_batch"),
     (["train", *T, "--set", "parallel.zero=5"], 2, "parallel.zero"),
+    (["train", *T, "--set", "log.progress_s=-1"], 2, "log.progress_s: -1.0 is not allowed; must be >= 0"),
     (["train", *T, "--set", "checkpoint.init_from={base}/w.safetensors"], 2, "checkpoint.init_from"),
     (["drill", "--faults", "0"], 2, "--faults: 0"),
     (["drill", "--nproc", "0", *T], 2, "--nproc: 0"),

@@ -1,6 +1,8 @@
-"""What a run reports: a progress bar and a summary on rank 0, ``metrics.jsonl`` (one JSON line per
-logged step, each rank's step time included so a straggler is visible) and TensorBoard events
-when tensorboard is installed. Only rank 0 writes; other ranks pass ``enabled=False``.
+"""What a run reports: progress and a summary on rank 0 (a bar on a terminal; otherwise, for
+Slurm logs, nohup, tee or a pipe, a plain line every ``log.progress_s`` seconds, and a line for each
+slow start-up phase), ``metrics.jsonl`` (one JSON line per logged step, each rank's step time
+included so a straggler is visible) and TensorBoard events when tensorboard is installed. Only
+rank 0 writes; other ranks pass ``enabled=False``.
 """
 
 from __future__ import annotations
@@ -14,12 +16,48 @@ from typing import Any
 
 from allhands.safefs import open_private
 
+# A start-up phase (starting the workers, their rendezvous, building the model, loading a
+# checkpoint, the first step) this slow gets a line of its own, so a log never sits silent
+# without saying where the time goes; quicker ones would only be noise.
+SLOW_PHASE_S = 3.0
+
+
+def slow_phase(what: str, seconds: float) -> str | None:
+    """``allhands: WHAT took N s`` when ``seconds`` is at least SLOW_PHASE_S, else None."""
+    return f"allhands: {what} took {seconds:.1f} s" if seconds >= SLOW_PHASE_S else None
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``3m 20s``, ``2h 05m``: an ETA as a reader takes it in at a glance."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s // 60 % 60:02d}m"
+
+
+def progress_line(record: dict[str, Any], total: int, eta_s: float) -> str:
+    """The plain progress line of a step record: step/total, loss, the rate named by the data,
+    MFU when known, and the ETA."""
+    rate, unit = throughput(record)
+    step = record["step"]
+    parts = [f"step {step}/{total} ({100 * step / max(total, 1):.0f}%)", f"loss {record['loss']:.4f}",
+             f"{rate:,.0f} {unit}"]
+    if "mfu" in record:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    return "allhands: " + ", ".join(parts + [f"ETA {duration(eta_s)}"])
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 progress: bool = True, tensorboard: bool = True):
-        self.enabled = enabled
+                 progress: bool = True, progress_s: float = 0.0, tensorboard: bool = True):
+        self.enabled, self.total = enabled, total_steps
         self.t0 = time.perf_counter()
+        # plain lines (no terminal): every progress_s seconds; the ETA from the steps of this run
+        self.progress_s = progress_s if progress and not sys.stderr.isatty() else 0.0
+        self._said_at = self.t0
+        self._first: tuple[float, int] | None = None  # (time, step) of the first step record
         self.last: dict[str, Any] = {}
         self.first_eval: float | None = None
         self.last_eval: float | None = None
@@ -34,7 +72,7 @@ class MetricsWriter:
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if progress:
+        if progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -61,6 +99,20 @@ class MetricsWriter:
             self._bar.set_postfix({"loss": f"{record['loss']:.3f}", unit: f"{rate:,.0f}", **mfu},
                                   refresh=False)
             self._bar.refresh()
+        if self.progress_s and "loss" in record:
+            self._plain(record)
+
+    def _plain(self, record: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (now, record["step"])
+        if now - self._said_at < self.progress_s:
+            return
+        self._said_at = now
+        t, step = self._first
+        left = self.total - record["step"]
+        per_step = (now - t) / (record["step"] - step) if record["step"] > step else record["step_time"]
+        print(progress_line(record, self.total, left * per_step), file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

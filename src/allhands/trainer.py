@@ -30,7 +30,7 @@ from allhands.heartbeat import Heartbeat
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
 from allhands.job import Job, build_data, build_reference_model, lm_loss
 from allhands.mesh import Mesh
-from allhands.metrics import MetricsWriter
+from allhands.metrics import MetricsWriter, slow_phase
 from allhands.memory import local
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
@@ -206,11 +206,13 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
+        t_load = time.perf_counter()
         resumed = self.maybe_resume()
+        t_load = time.perf_counter() - t_load
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
-                                tensorboard=cfg.log.tensorboard)
+                                progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
         if ts.step < r.steps:
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]
@@ -222,6 +224,7 @@ class Trainer:
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
+            self._say(metrics, slow_phase(f"loading checkpoint step {ts.step}", t_load))
         # Also right after a resume: the checkpoint's eval loss under this layout, which must
         # equal the one logged when it was saved, under any other layout (DCP reshards).
         ev = self.evaluate()
@@ -230,6 +233,7 @@ class Trainer:
         result: dict[str, Any] = {}
         logged_memory = False
         cadence = Cadence(cfg.checkpoint.interval, cfg.checkpoint.max_overhead, ts.step, mesh.device)
+        first_step = ts.step + 1
         self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
@@ -251,6 +255,8 @@ class Trainer:
                 if r.check_sync and self.strategy.in_sync(ts.step):
                     self.check_replicas(ts.step)
                 dt = time.perf_counter() - t0
+                if ts.step == first_step:  # builds caches, buckets and compiled graphs
+                    self._say(metrics, slow_phase("the first step", dt))
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
@@ -293,6 +299,11 @@ class Trainer:
             self.ckpt.close()
             metrics.close(summary=ts.step >= r.steps)
         return result
+
+    @staticmethod
+    def _say(metrics: MetricsWriter, line: str | None) -> None:
+        if line:
+            metrics.message(line)
 
     def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
         for w in self.ckpt.warnings:

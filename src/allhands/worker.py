@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from allhands.config import Config, validate
 from allhands.env import worker_env
 from allhands.errors import AllhandsError
 from allhands.mesh import Mesh
+from allhands.metrics import slow_phase
 from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
@@ -30,6 +32,9 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     if env.attempt:  # an elastic restart may bring fewer workers: the batch must still divide
         validate(cfg, world_size=env.world_size, need_data=False)
     rank, world, store = env.rank, env.world_size, None
+    t = time.time()
+    if env.started_at:  # the agent's rendezvous, spawning this process, importing torch
+        _say(env.rank, slow_phase(f"starting {env.world_size} workers", t - env.started_at))
     if p.sync == "ps":  # the last ps.servers ranks serve; the workers' mesh spans the rest
         roles = ps_roles(cfg.ps.servers, env.rank, env.world_size, p.timeout_s)
         if roles.server:
@@ -39,14 +44,28 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     mesh = Mesh.build(rank=rank, world_size=world, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
                       dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s, store=store)
+    t = _said_since(env.rank, "the workers' rendezvous (process groups)", t)
     try:
         trainer = Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir))
+        _said_since(env.rank, "building the data, model and layout", t)
         result = trainer.fit()
         if p.sync == "ps":  # after the last evaluation, which fetches embedding rows too
             trainer.strategy.finish()
         return result
     finally:
         mesh.destroy()
+
+
+def _say(rank: int, line: str | None) -> None:
+    if line and rank == 0:  # rank 0 speaks for the job, as its metrics writer does
+        print(line, file=sys.stderr, flush=True)
+
+
+def _said_since(rank: int, what: str, t: float) -> float:
+    """Say ``what`` took since ``t`` if slow (metrics.slow_phase); returns now."""
+    now = time.time()
+    _say(rank, slow_phase(what, now - t))
+    return now
 
 
 def ps_job(cfg: Config, job: Job) -> Job:

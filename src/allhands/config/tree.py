@@ -180,7 +180,9 @@ class LogConfig:
     """What the run reports and where."""
 
     interval: int = _f(1, "write a metrics line every this many steps, >= 1")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "report progress on rank 0: a bar on a terminal, else plain lines")
+    progress_s: float = _f(30.0, "when the output is not a terminal (a log file, a pipe): a plain "
+                                 "progress line every this many seconds, >= 0; 0 disables")
     tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
 
 

@@ -46,6 +46,8 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check(0 <= c.max_overhead < 1, "checkpoint.max_overhead", "must be in [0, 1), e.g. 0.02", c.max_overhead)
     _validate_fault(cfg.fault)
     _check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
+    _check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
+           lg.progress_s)
     _check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
     _check(r.steps >= 1, "run.steps", "must be >= 1", r.steps)
     _check(r.global_batch >= 1, "run.global_batch", "must be >= 1", r.global_batch)

@@ -19,6 +19,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,22 @@ from allhands.worker import worker_main
 
 def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask (Slurm's or taskset's), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def oversubscribed(nproc: int, cores: int) -> str | None:
+    """The one warning for more workers on this node than cores, else None: every step waits
+    for the slowest worker, and each gets a share of a core, so steps slow down by about
+    ``nproc / cores`` over what the same job would take on enough cores."""
+    if nproc <= cores:
+        return None
+    return (f"allhands: warning: {nproc} workers on {cores} core(s): each gets about "
+            f"{cores / nproc:.2g} of a core and every step waits for the slowest; set --nproc "
+            f"{cores} or expect slow steps")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -188,6 +205,9 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     Raises LaunchError with one line per failed rank when the job fails for good.
     """
     spec = spec.validated()
+    warning = oversubscribed(spec.nproc, usable_cores())
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
     _quiet_intrusions_in_threads()
     if policy is None:
@@ -197,6 +217,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         # The workers inherit these; worker_env() reads them back.
         os.environ["ALLHANDS_ATTEMPT"] = str(n)
         os.environ["ALLHANDS_HEARTBEAT_DIR"] = str(heartbeat_dir)
+        os.environ["ALLHANDS_STARTED_AT"] = repr(time.time())  # rank 0 says a slow start
         _launch_once(entrypoint, args, spec, log_dir=log_dir,
                      policy=policy if spec.multi_node else None, heartbeat_dir=heartbeat_dir,
                      run_dir=run_dir, timeouts=timeouts)
