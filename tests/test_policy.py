@@ -9,7 +9,8 @@ import pytest
 
 from allhands.config import Config, apply_override
 from allhands.launch.launcher import LaunchSpec, restart_policy
-from allhands.launch.policy import FATAL_CAUSES, MAX_FLAKE_RETRIES, JobRestarts, RestartPolicy
+from allhands.launch.policy import (FATAL_CAUSES, MAX_FLAKE_RETRIES, JobRestarts, RestartPolicy,
+                                    bug_signature)
 
 KILLED = "worker rank 1 (pid 9) on node a failed: killed by SIGKILL"
 FLAKE = "worker rank 1 (pid 9) on node a failed: RuntimeError: Gloo connectFullMesh failed with [pair.cc:144]"
@@ -111,6 +112,18 @@ def test_the_same_exception_after_a_restart_is_a_bug_and_stops_the_job(tmp_path)
                            f"rather than a fault to restart: fix it, then continue from the start (no "
                            f"committed checkpoint yet) with --resume {tmp_path}")
     assert [r["verdict"] for r in records(tmp_path)] == ["restart", "repeated"]
+    # A newer checkpoint in between: the job moves on, and keeps its restarts. A script's run
+    # directory is its own: there, an attempt that completed a step moved on.
+    moving = c.job(RestartPolicy(max_restarts=3), tmp_path / "moving")
+    for step in (5, 10, 15):
+        commit_checkpoint(tmp_path / "moving", step)
+        assert moving.decide(bug.format(step), progressed=True).verdict == "restart"
+    script = c.job(RestartPolicy(max_restarts=5))
+    assert [script.decide(bug.format(1), progressed=p).verdict for p in (True, True, False, False)] == \
+        ["restart", "restart", "restart", "repeated"]
+    # The cause is the first failure: a peer's line that followed it does not hide it.
+    peer = "; worker rank 0 (pid 3) on node a failed: its peer worker rank 1 failed first"
+    assert bug_signature(bug.format(1) + peer) == bug_signature(bug.format(2)) is not None
     # Deaths, hangs, lost peers and communication errors are not bugs, however alike; another
     # exception is not the same bug.
     p = RestartPolicy(max_restarts=3)

@@ -77,9 +77,12 @@ def describe_failures(failures: dict[int, Any], first_rank: int, node: str,
             peer = _GLOO_PEER.search(full)
             if peer and single_node:
                 dead = failures.get(first_rank)
-                msg = (f"its peer worker rank {first_rank} died ({_death(dead)})"
-                       if rank != first_rank and dead is not None and not isinstance(dead.message, dict)
-                       else f"a peer worker on this node died: gloo: {peer.group(1)}")
+                if rank == first_rank or dead is None:
+                    msg = f"a peer worker on this node died: gloo: {peer.group(1)}"
+                elif isinstance(dead.message, dict):  # it raised: its own line says why
+                    msg = f"its peer worker rank {first_rank} failed first"
+                else:
+                    msg = f"its peer worker rank {first_rank} died ({_death(dead)})"
             elif peer:
                 msg = f"lost node {peer.group(2)}{_ranks_of(peer.group(2), members)}: gloo: {peer.group(1)}"
         else:

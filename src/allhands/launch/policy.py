@@ -44,18 +44,22 @@ FLAKE_DELAY_S = 1.0
 # Causes that are the machine's or the network's doing, never a bug of the job: a death by signal
 # or exit code, a hang, a lost peer or node, a communication error or timeout. Any other cause is
 # an exception a worker raised, and one that comes back word for word after a restart from the
-# same checkpoint is the job's own bug: every further restart would repeat it ("repeated").
+# same checkpoint is the job's own bug: every further restart would replay the same steps from the
+# same state into it ("repeated"). A job that committed a newer checkpoint in between is making
+# progress and keeps its restarts.
 NOT_A_BUG = ("killed by", "exited with code", " died", " hung: ", "lost node", "gloo", "nccl",
              "connect", "timed out", "timeout", *(c.lower() for c in TRANSIENT_CAUSES))
 _PIDS = re.compile(r" \(pids? [\d, ]+\)")
 
 
 def bug_signature(summary: str) -> str | None:
-    """``summary`` without its pids when every cause in it is an exception a worker raised
-    (see NOT_A_BUG), else None: the key under which two attempts failed the same way."""
-    if any(c in summary.lower() for c in NOT_A_BUG):
+    """The first cause of ``summary`` (the failure the others followed, describe_failures) without
+    its pid when it is an exception a worker raised (see NOT_A_BUG), else None: the key under which
+    two attempts failed the same way."""
+    first = summary.split("; worker rank")[0]
+    if any(c in first.lower() for c in NOT_A_BUG):
         return None
-    return _PIDS.sub("", summary)
+    return _PIDS.sub("", first)
 
 
 class WorkerFailure(LaunchError):
@@ -143,17 +147,22 @@ class JobRestarts:
         # restarts: counted against max_restarts; flakes: retries since the last restart;
         # stalled: restarts in a row whose attempt completed no step (the backoff's exponent).
         self.restarts = self.flakes = self.stalled = self.attempts = 0
-        self.previous = ""  # the last failure's summary (a repeated bug stops the job)
+        # the last failure's summary and where it restarted from (a repeated bug stops the job)
+        self.previous, self.previous_from = "", ""
 
     def decide(self, summary: str, progressed: bool, hangs: Iterable[str] = ()) -> Decision:
         """Judge a failed attempt and count it. ``progressed``: it completed a step; ``hangs``:
         the watchdog's reports of the workers it killed, which lead the summary."""
         hangs = list(hangs)
         summary = "; ".join([*hangs, summary])
-        d = Decision(self.policy.decide(summary, self.restarts, self.flakes, progressed, self.previous),
+        # The same point: no newer checkpoint since the last failure; a script's run directory is
+        # its own, so there an attempt that completed no step stands for it.
+        point = self.resume_from() if self.run_dir is not None else "" if progressed else "no step"
+        same = self.previous if point and point == self.previous_from else ""
+        d = Decision(self.policy.decide(summary, self.restarts, self.flakes, progressed, same),
                      summary, self.attempts, self.clock(), bool(hangs))
         self.attempts += 1
-        self.previous = summary
+        self.previous, self.previous_from = summary, point
         if d.verdict == "flake":
             self.flakes += 1
             return replace(d, delay_s=FLAKE_DELAY_S,
