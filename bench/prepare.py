@@ -2,16 +2,19 @@
 
 Generates a JSON-lines corpus of ``--mb`` MB (default 200) under ``--dir`` (never committed) by
 shuffling paragraphs of the embedded corpus with seeded word-level edits, trains a byte-level
-BPE of ``--vocab`` ids on its first 10 MB, then for the byte and the BPE tokenizer times:
+BPE of ``--vocab`` ids on its first 10 MB, then, ``--repeat`` times, for the byte and the BPE
+tokenizer in turn times:
 
-- library: the tokenizer alone on the documents already in memory, in its batch call
-  (tokenizers' ``encode_batch_fast``, which uses every core through its own thread pool; for
-  bytes, ``ByteTokenizer.encode_docs``, numpy in one process);
-- prepare: ``prepare_corpus`` end to end from the file: reading and parsing JSON, tokenizing in
-  ``--workers`` processes, writing chunks and the final shards.
+- library: the tokenizer alone on the documents already in memory, in its fastest batch call:
+  for BPE, tokenizers' ``Tokenizer.encode_batch_fast`` on ``--workers`` threads (its own
+  thread pool, RAYON_NUM_THREADS); for bytes, the fastest numpy conversion found
+  (``ByteTokenizer.encode_docs``: one join, one widening), in one process;
+- prepare: ``prepare_corpus`` end to end from the file: reading and parsing the JSON lines and
+  tokenizing in ``--workers`` processes, writing the chunks and the final shards.
 
-Prints MB/s of text (UTF-8 bytes of the documents) and tokens/s for each, and prepare / library.
-Target: prepare >= 0.8 x library.
+Prints MB/s of text (UTF-8 bytes of the documents) and tokens/s for each, prepare / library per
+round and the median ratio. Target: prepare >= 0.8 x library. ``--bpe-mb`` times BPE on the
+corpus' first MB only (BPE is ~100x slower than bytes on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import random
 import shutil
 import time
@@ -51,10 +55,34 @@ def load_docs(path: Path) -> list[str]:
         return [json.loads(line)["text"] for line in f]
 
 
+def head(corpus: Path, docs: list[str], mb: int, d: Path) -> tuple[Path, list[str]]:
+    """The corpus' first ``mb`` MB of lines as a file of its own, and their documents."""
+    path = d / f"{corpus.stem}-head-{mb}mb.jsonl"
+    with open(corpus, "rb") as f:
+        lines = []
+        size = 0
+        for line in f:
+            if size >= mb * 1e6:
+                break
+            lines.append(line)
+            size += len(line)
+    if not path.is_file():
+        path.write_bytes(b"".join(lines))
+    return path, docs[:len(lines)]
+
+
 def time_library(tok, docs: list[str], batch: int = 4096) -> tuple[float, int]:
+    """The tokenizer alone: the library's batch call (for BPE, without the numpy conversion
+    that prepare does as well)."""
+    enc = getattr(tok, "tok", None)
+    if enc is not None:
+        enc = getattr(enc, "encode_batch_fast", enc.encode_batch)
     t0, n = time.perf_counter(), 0
     for i in range(0, len(docs), batch):
-        n += len(tok.encode_docs(docs[i:i + batch]))
+        if enc is None:
+            n += len(tok.encode_docs(docs[i:i + batch]))
+        else:
+            n += sum(len(e.ids) + 1 for e in enc(docs[i:i + batch], add_special_tokens=False))
     return time.perf_counter() - t0, n
 
 
@@ -63,22 +91,28 @@ def time_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> tuple
     t0 = time.perf_counter()
     meta = prepare_corpus([str(corpus)], out, tokenizer=tokenizer, workers=workers, progress=False)
     dt = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
     return dt, sum(e["tokens"] for split in meta["splits"].values() for e in split)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=200, help="corpus size in MB (default 200)")
-    ap.add_argument("--dir", default="/tmp/allhands-bench-prepare", help="where the corpus goes")
+    ap.add_argument("--dir", default=".bench-prepare", help="where the corpus goes")
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary (default 8192)")
     ap.add_argument("--workers", type=int, default=0, help="prepare's processes (0 = one per core)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
+    ap.add_argument("--bpe-mb", type=int, default=0, help="time BPE on the first MB only (0: all)")
+    ap.add_argument("--only", choices=("byte", "bpe"), help="time one tokenizer only")
     args = ap.parse_args()
+    workers = args.workers or os.cpu_count() or 1
+    # tokenizers' thread pool: as many threads as prepare has processes; read when the pool starts
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     corpus = d / f"corpus-{args.mb}mb.jsonl"
     make_corpus(corpus, args.mb)
     docs = load_docs(corpus)
-    text_mb = sum(len(t.encode()) for t in docs) / 1e6
     bpe = d / f"bpe-{args.vocab}.json"
     if not bpe.is_file():
         sample, size = [], 0
@@ -88,18 +122,30 @@ def main() -> None:
             if size > 10e6:
                 break
         train_bpe(sample, args.vocab, bpe)
-    print(f"corpus {corpus} ({corpus.stat().st_size / 1e6:.0f} MB on disk, {text_mb:.0f} MB of "
-          f"text, {len(docs):,} documents); {os.cpu_count()} cores; prepare workers "
-          f"{args.workers or os.cpu_count()}")
-    print(f"{'tokenizer':<10} {'what':<8} {'s':>7} {'MB/s':>8} {'Mtok/s':>8} {'vs library':>10}")
-    for name, spec, tok in (("byte", "byte", ByteTokenizer()),
-                            (f"bpe-{args.vocab}", str(bpe), HFTokenizer(bpe))):
-        lib_s, lib_n = time_library(tok, docs)
-        prep_s, prep_n = time_prepare(corpus, d / f"out-{name}", spec, args.workers)
-        assert prep_n == lib_n, (prep_n, lib_n)  # the same tokens, counted both ways
-        for what, s in (("library", lib_s), ("prepare", prep_s)):
-            print(f"{name:<10} {what:<8} {s:7.1f} {text_mb / s:8.1f} {lib_n / s / 1e6:8.2f} "
-                  f"{lib_s / s if what == 'prepare' else 1.0:10.2f}")
+    bpe_corpus, bpe_docs = head(corpus, docs, args.bpe_mb, d) if args.bpe_mb else (corpus, docs)
+    print(f"corpus {corpus} ({corpus.stat().st_size / 1e6:.0f} MB on disk, {len(docs):,} "
+          f"documents); {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; prepare workers "
+          f"{workers}, tokenizers threads {workers}")
+    print(f"{'tokenizer':<10} {'round':>5} {'what':<8} {'MB':>5} {'s':>7} {'MB/s':>8} {'Mtok/s':>8} "
+          f"{'ratio':>6}")
+    runs = [("byte", "byte", ByteTokenizer(), corpus, docs),
+            (f"bpe-{args.vocab}", str(bpe), HFTokenizer(bpe), bpe_corpus, bpe_docs)]
+    runs = [r for r in runs if args.only is None or r[0].startswith(args.only)]
+    ratios: dict[str, list[float]] = {r[0]: [] for r in runs}
+    for rnd in range(args.repeat):
+        for name, spec, tok, path, texts in runs:
+            text_mb = sum(len(t.encode()) for t in texts) / 1e6
+            lib_s, lib_n = time_library(tok, texts)
+            prep_s, prep_n = time_prepare(path, d / f"out-{name}", spec, workers)
+            assert prep_n == lib_n, (prep_n, lib_n)  # the same tokens, counted both ways
+            ratios[name].append(lib_s / prep_s)
+            for what, s in (("library", lib_s), ("prepare", prep_s)):
+                print(f"{name:<10} {rnd:>5} {what:<8} {text_mb:5.0f} {s:7.2f} {text_mb / s:8.1f} "
+                      f"{lib_n / s / 1e6:8.2f} {lib_s / s if what == 'prepare' else 1.0:6.2f}",
+                      flush=True)
+    for name, r in ratios.items():
+        print(f"{name}: prepare / library per round {' '.join(f'{x:.2f}' for x in r)}; "
+              f"median {statistics.median(r):.2f} (target >= 0.8)")
 
 
 if __name__ == "__main__":
