@@ -12,8 +12,11 @@ tokenizer in turn times:
 - prepare: ``prepare_corpus`` end to end from the file: reading and parsing the JSON lines and
   tokenizing in ``--workers`` processes, writing the chunks and the final shards.
 
-Prints MB/s of text (UTF-8 bytes of the documents) and tokens/s for each, prepare / library per
-round and the median ratio. Target: prepare >= 0.8 x library. ``--bpe-mb`` times BPE on the
+Prints wall and CPU seconds (user + system, worker processes included), MB/s of text (UTF-8
+bytes of the documents) and tokens/s for each, prepare / library (wall) per round and the median
+ratio. On a machine whose cores are busy, extra processes of one session get little more CPU
+(Linux autogroup shares CPU between sessions), so the CPU seconds tell the work apart from the
+contention. Target: prepare >= 0.8 x library. ``--bpe-mb`` times BPE on the
 corpus' first MB only (BPE is ~100x slower than bytes on 2 cores).
 """
 
@@ -24,6 +27,7 @@ import json
 import os
 import statistics
 import random
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -71,28 +75,34 @@ def head(corpus: Path, docs: list[str], mb: int, d: Path) -> tuple[Path, list[st
     return path, docs[:len(lines)]
 
 
-def time_library(tok, docs: list[str], batch: int = 4096) -> tuple[float, int]:
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its finished children."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def time_library(tok, docs: list[str], batch: int = 4096) -> tuple[float, int, float]:
     """The tokenizer alone: the library's batch call (for BPE, without the numpy conversion
     that prepare does as well)."""
     enc = getattr(tok, "tok", None)
     if enc is not None:
         enc = getattr(enc, "encode_batch_fast", enc.encode_batch)
-    t0, n = time.perf_counter(), 0
+    t0, n, c0 = time.perf_counter(), 0, cpu_s()
     for i in range(0, len(docs), batch):
         if enc is None:
             n += len(tok.encode_docs(docs[i:i + batch]))
         else:
             n += sum(len(e.ids) + 1 for e in enc(docs[i:i + batch], add_special_tokens=False))
-    return time.perf_counter() - t0, n
+    return time.perf_counter() - t0, n, cpu_s() - c0
 
 
-def time_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> tuple[float, int]:
+def time_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> tuple[float, int, float]:
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     meta = prepare_corpus([str(corpus)], out, tokenizer=tokenizer, workers=workers, progress=False)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_s() - c0
     shutil.rmtree(out, ignore_errors=True)
-    return dt, sum(e["tokens"] for split in meta["splits"].values() for e in split)
+    return dt, sum(e["tokens"] for split in meta["splits"].values() for e in split), cpu
 
 
 def main() -> None:
@@ -126,8 +136,8 @@ def main() -> None:
     print(f"corpus {corpus} ({corpus.stat().st_size / 1e6:.0f} MB on disk, {len(docs):,} "
           f"documents); {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; prepare workers "
           f"{workers}, tokenizers threads {workers}")
-    print(f"{'tokenizer':<10} {'round':>5} {'what':<8} {'MB':>5} {'s':>7} {'MB/s':>8} {'Mtok/s':>8} "
-          f"{'ratio':>6}")
+    print(f"{'tokenizer':<10} {'round':>5} {'what':<8} {'MB':>5} {'s':>7} {'cpu s':>7} {'MB/s':>8} "
+          f"{'Mtok/s':>8} {'ratio':>6}")
     runs = [("byte", "byte", ByteTokenizer(), corpus, docs),
             (f"bpe-{args.vocab}", str(bpe), HFTokenizer(bpe), bpe_corpus, bpe_docs)]
     runs = [r for r in runs if args.only is None or r[0].startswith(args.only)]
@@ -135,12 +145,12 @@ def main() -> None:
     for rnd in range(args.repeat):
         for name, spec, tok, path, texts in runs:
             text_mb = sum(len(t.encode()) for t in texts) / 1e6
-            lib_s, lib_n = time_library(tok, texts)
-            prep_s, prep_n = time_prepare(path, d / f"out-{name}", spec, workers)
+            lib_s, lib_n, lib_cpu = time_library(tok, texts)
+            prep_s, prep_n, prep_cpu = time_prepare(path, d / f"out-{name}", spec, workers)
             assert prep_n == lib_n, (prep_n, lib_n)  # the same tokens, counted both ways
             ratios[name].append(lib_s / prep_s)
-            for what, s in (("library", lib_s), ("prepare", prep_s)):
-                print(f"{name:<10} {rnd:>5} {what:<8} {text_mb:5.0f} {s:7.2f} {text_mb / s:8.1f} "
+            for what, s, cpu in (("library", lib_s, lib_cpu), ("prepare", prep_s, prep_cpu)):
+                print(f"{name:<10} {rnd:>5} {what:<8} {text_mb:5.0f} {s:7.2f} {cpu:7.2f} {text_mb / s:8.1f} "
                       f"{lib_n / s / 1e6:8.2f} {lib_s / s if what == 'prepare' else 1.0:6.2f}",
                       flush=True)
     for name, r in ratios.items():

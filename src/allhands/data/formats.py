@@ -212,7 +212,8 @@ _TEXT = operator.attrgetter("text")
 def _msgspec_decoder(field: str):
     import msgspec  # optional dependency: the `data` extra (see _fast_docs)
 
-    doc = msgspec.defstruct("Doc", [("text", str)], rename={"text": field})
+    # gc=False: the documents' structs hold only a string, so the collector need not track them
+    doc = msgspec.defstruct("Doc", [("text", str)], rename={"text": field}, gc=False)
     return msgspec.json.Decoder(doc)
 
 

@@ -45,10 +45,10 @@ def write_shards(out: Path, pieces: Iterable[np.ndarray], total: int, info: dict
     def fill(f, n: int) -> None:
         while n:
             if not len(held[0]):
-                held[0] = next(it).astype(dtype, copy=False)
+                held[0] = np.ascontiguousarray(next(it), dtype=dtype)
                 continue
             take = min(len(held[0]), n)
-            held[0][:take].tofile(f)
+            f.write(held[0][:take].data)  # one write call (see corpus._encode_chunk)
             held[0], n = held[0][take:], n - take
 
     return _write(out, total, info, val_fraction, shard_tokens, fill)

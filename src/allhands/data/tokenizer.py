@@ -50,15 +50,15 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
 
     def encode_docs(self, texts: list[str]) -> np.ndarray:
-        """One join and one widening, no per-document array: byte 0xFF never occurs in UTF-8
-        (RFC 3629, sec. 1), so it marks each document's end until it is replaced by EOT."""
+        """One join and one widening, no per-document array; the byte after each document
+        becomes EOT."""
         if not texts:
             return np.zeros(0, dtype=self.dtype)
         parts = list(map(str.encode, texts))  # UTF-8
+        ends = np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)) + 1) - 1
         parts.append(b"")
-        raw = np.frombuffer(b"\xff".join(parts), np.uint8)
-        ids = raw.astype(self.dtype)
-        np.putmask(ids, raw == 0xFF, self.eot)
+        ids = np.frombuffer(b"\0".join(parts), np.uint8).astype(self.dtype)
+        ids[ends] = self.eot
         return ids
 
     def decode(self, ids) -> str:
