@@ -26,7 +26,6 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-
 from allhands.data.formats import (expand_inputs, is_jsonl, is_plain_jsonl, jsonl_blocks, jsonl_docs,
                                    jsonl_ranges, read_documents, read_range)
 from allhands.data.shards import write_shards_from_files
