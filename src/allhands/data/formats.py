@@ -230,7 +230,7 @@ def _fast_docs(data: bytes, field: str) -> list[str] | None:
         return None
     raw = np.frombuffer(data, np.uint8)
     ends = np.flatnonzero(raw == 0x0A)  # line ends
-    last = len(ends) and ends[-1] == len(raw) - 1
+    last = data.endswith(b"\n")
     if not (data.startswith(b"{") and data.endswith(b"}\n" if last else b"}")
             and np.all(raw[ends - 1] == 0x7D) and np.all(raw[ends[:len(ends) - last] + 1] == 0x7B)):
         return None
