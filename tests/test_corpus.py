@@ -104,11 +104,11 @@ def test_continue_reuses_finished_chunks(corpus, tmp_path, monkeypatch):
     out, inputs = tmp_path / "out", [str(corpus / "a.jsonl")]
     calls, real = [], corpus_mod._encode_chunk
 
-    def interrupt_after_two(k, docs, work):  # Ctrl-C while the third chunk is tokenized
+    def interrupt_after_two(k, *args):  # Ctrl-C while the third chunk is tokenized
         calls.append(k)
         if calls == [0, 1, 2]:
             raise KeyboardInterrupt
-        return real(k, docs, work)
+        return real(k, *args)
 
     monkeypatch.setattr(corpus_mod, "_encode_chunk", interrupt_after_two)
     with pytest.raises(KeyboardInterrupt):
@@ -151,3 +151,69 @@ def test_vocabulary_larger_than_the_model_is_refused_before_launch(corpus, tmp_p
     err = capsys.readouterr().err
     assert "model.vocab_size: 300 is smaller than the vocabulary 600" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+# Blocks of JSON lines: msgspec's fast path must give json's documents, or decline so that json
+# gives them or its exact error (two values on a line, one value over two lines, both at once).
+BLOCKS = [b'{"text": "a \\"q\\" \\u00e9\\n\\ud83d\\ude00", "n": 1e999}\n{"id": 2, "text": ""}\n',
+          b'{"text": "no final line end"}', b'{"text": "a", "text": "dup"}\n\n  \n{"text": "b"}\r\n',
+          b'{"text": "x", "n": NaN}\n', b'{"text": "a"} {"text": "b"}\n', b'{"text":\n"a"}\n',
+          b'{"text": "a"} {"text": "b"}\n{"text":\n"c"}\n', b'{"text": 5}\n', b'[1]\n', b'']
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_json_lines_decoded_as_json_does(block, tmp_path):
+    from allhands.data.formats import _fast_docs, jsonl_docs
+    from allhands.errors import DataError
+
+    lines = block.split(b"\n")
+    try:
+        want = [json.loads(line)["text"] for line in lines if line.strip()]
+        want = want if all(isinstance(t, str) for t in want) else None
+    except (ValueError, KeyError, TypeError):
+        want = None
+    if want is None:
+        with pytest.raises(DataError, match="line 1[0-9][ :]"):  # numbered from first_line=10
+            jsonl_docs(tmp_path / "x.jsonl", block, "text", 10)
+    else:
+        assert jsonl_docs(tmp_path / "x.jsonl", block, "text", 10) == want
+    fast = _fast_docs(block, "text")
+    assert fast is None or fast == want
+    if block.startswith(b'{"text": "a \\"q') or block.startswith(b'{"text": "no'):
+        assert fast == want  # the common case takes the fast path
+
+
+def test_byte_ranges_and_error_lines_across_chunks(corpus, tmp_path):
+    from allhands.data.formats import jsonl_ranges
+    from allhands.errors import DataError
+
+    path = corpus / "a.jsonl"
+    data = path.read_bytes()
+    for size in (1, 37, 5000, len(data) + 10):
+        ranges = list(jsonl_ranges(path, size))
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
+        assert all(a[1] == b[0] and data[a[1] - 1:a[1]] == b"\n" for a, b in zip(ranges, ranges[1:]))
+    lines = data.splitlines(keepends=True)
+    lines[300] = b'{"id": 300, "txt": "oops"}\n'
+    (tmp_path / "bad.jsonl").write_bytes(b"".join(lines))
+    with pytest.raises(DataError, match="line 301 has no field 'text'"):
+        prepare_corpus([str(tmp_path / "bad.jsonl")], tmp_path / "out", workers=1,
+                       chunk_bytes=7_000, progress=False)
+
+
+def test_shards_copied_from_chunk_files_equal_shards_written_from_arrays(tmp_path):
+    from allhands.data.shards import write_shards, write_shards_from_files
+    from allhands.data.tokenizer import tokenizer_info
+
+    stream = np.random.default_rng(0).integers(0, 257, 10_000, dtype=np.uint16)
+    files = []
+    for i, piece in enumerate(np.split(stream, [1, 1, 3000, 7777])):  # an empty piece too
+        piece.tofile(tmp_path / f"c{i}.bin")
+        files.append((tmp_path / f"c{i}.bin", len(piece)))
+    info = tokenizer_info(ByteTokenizer())
+    a = write_shards(tmp_path / "a", [stream[:4000], stream[4000:]], len(stream), info, 0.1, 2048)
+    b = write_shards_from_files(tmp_path / "b", files, info, 0.1, 2048)
+    assert a == b and len(a["splits"]["train"]) == 5
+    for e in a["splits"]["train"] + a["splits"]["val"]:
+        assert (tmp_path / "a" / e["file"]).read_bytes() == (tmp_path / "b" / e["file"]).read_bytes()
+    assert len(ByteTokenizer().encode_docs([])) == 0

@@ -1,13 +1,16 @@
-"""``allhands prepare``: a local corpus to token shards, tokenized in parallel processes,
-with a progress bar, and continued where it stopped when run again.
+"""``allhands prepare``: a local corpus to token shards, read and tokenized in parallel
+processes, with a progress bar, and continued where it stopped when run again.
 
-The documents, in input order, are cut into chunks of about ``chunk_bytes`` of text; a pool of
-worker processes tokenizes chunks and writes each as ``OUT/.prepare/chunk-K.bin`` (written
-beside and renamed, so a present file is complete). Chunking depends only on the inputs, so a
-second run over the same inputs and tokenizer (``.prepare/job.json``) skips the chunks it finds.
-At the end the chunks are streamed into train/val shards (shards.py), the tokenizer is stored
-beside them, and ``.prepare`` is removed. Chunk ``K`` always holds the same documents, so the
-shards do not depend on the worker count, the input format, or interruptions.
+The inputs, in order, are cut into chunks of about ``chunk_bytes``: byte ranges of whole lines of
+an uncompressed JSON-lines file (the main process reads only the bytes around each cut), blocks
+of decompressed lines, or documents of text, parquet and Arrow files. A pool of worker
+processes reads, parses and tokenizes each chunk and writes it as ``OUT/.prepare/chunk-K.bin``
+(written beside and renamed, so a present file is complete; ``chunk-K.json`` beside it counts its
+documents). Chunking depends only on the inputs, so a second run over the same inputs and
+tokenizer (``.prepare/job.json``) skips the chunks it finds. At the end the kernel copies the
+chunks into train/val shards (shards.py), the tokenizer is stored beside them, and
+``.prepare`` is removed. The shards do not depend on the worker count, the input format, or
+interruptions.
 """
 
 from __future__ import annotations
@@ -23,16 +26,15 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
-from allhands.data.formats import expand_inputs, read_documents
-from allhands.data.shards import write_shards
+from allhands.data.formats import (expand_inputs, is_jsonl, is_plain_jsonl, jsonl_blocks, jsonl_docs,
+                                   jsonl_ranges, read_documents, read_range)
+from allhands.data.shards import write_shards_from_files
 from allhands.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer,
                                      tokenizer_info, train_bpe)
 from allhands.errors import DataError, cannot_write
 
 WORK = ".prepare"
-JOB_VERSION = 1
+JOB_VERSION = 2  # 2: chunks of byte ranges and line blocks
 
 _TOK = None  # the worker process's tokenizer (set by _init_worker)
 
@@ -43,29 +45,55 @@ def _init_worker(spec: tuple) -> None:
     _TOK = load_tokenizer(*spec)
 
 
-def _encode_chunk(k: int, docs: list[str], work: str) -> int:
+def _encode_chunk(k: int, pieces: list[tuple], field: str, work: str) -> tuple[int, int, int]:
+    """Tokenize chunk ``k``; ``(tokens, documents, 1 if any document holds text else 0)``."""
+    docs = _piece_docs(pieces[0], field) if len(pieces) == 1 else \
+        [d for piece in pieces for d in _piece_docs(piece, field)]
     ids = _TOK.encode_docs(docs)
     path = Path(work) / f"chunk-{k:06d}.bin"
-    tmp = path.with_suffix(".tmp")
-    ids.tofile(tmp)
-    os.replace(tmp, path)
-    return len(ids)
+    stats = (len(ids), len(docs), int(any(docs)))
+    path.with_suffix(".json").write_text(json.dumps(stats))
+    with open(path.with_suffix(".tmp"), "wb") as f:
+        f.write(ids.data)  # one write call: ndarray.tofile takes about 3x as long here
+    os.replace(path.with_suffix(".tmp"), path)
+    return stats
 
 
-def _chunks(files: list[Path], field: str, chunk_bytes: int) -> Iterator[tuple[list[str], int, int]]:
-    """``(documents, bytes read on disk, characters)`` per chunk of about ``chunk_bytes``."""
-    docs, disk, chars = [], 0, 0
+def _piece_docs(piece: tuple, field: str) -> list[str]:
+    kind, *args = piece
+    if kind == "range":
+        path, start, end = Path(args[0]), args[1], args[2]
+        return jsonl_docs(path, read_range(path, start, end), field, start=start)
+    if kind == "lines":
+        return jsonl_docs(Path(args[0]), args[1], field, args[2])
+    return args[0]
+
+
+def _file_pieces(path: Path, field: str, size: int) -> Iterator[tuple[tuple, int, int]]:
+    """``(piece, its size, bytes advanced on disk)``: what a worker is sent of ``path``."""
+    if is_plain_jsonl(path):  # the worker reads the range itself
+        for start, end in jsonl_ranges(path, size):
+            yield ("range", str(path), start, end), end - start, end - start
+    elif is_jsonl(path):  # decompressed here, parsed there
+        for data, line, advanced in jsonl_blocks(path, size):
+            yield ("lines", str(path), data, line), len(data), advanced
+    else:
+        for docs, advanced in read_documents(path, field):
+            yield ("docs", docs), sum(map(len, docs)), advanced
+
+
+def _chunks(files: list[Path], field: str, chunk_bytes: int) -> Iterator[tuple[list[tuple], int]]:
+    """``(pieces, bytes read on disk)`` per chunk of about ``chunk_bytes``."""
+    pieces, size, disk = [], 0, 0
     for path in files:
-        for batch, advanced in read_documents(path, field):
-            disk += advanced
-            for d in batch:
-                docs.append(d)
-                chars += len(d)
-                if chars >= chunk_bytes:
-                    yield docs, disk, chars
-                    docs, disk, chars = [], 0, 0
-    if docs or disk:
-        yield docs, disk, chars
+        for piece, n, advanced in _file_pieces(path, field, chunk_bytes):
+            pieces.append(piece)
+            size, disk = size + n, disk + advanced
+            if size >= chunk_bytes:
+                yield pieces, disk
+                pieces, size, disk = [], 0, 0
+    if pieces or disk:
+        yield pieces, disk
 
 
 def _fingerprint(files: list[Path], field: str, tok, chunk_bytes: int) -> dict:
@@ -153,8 +181,9 @@ def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
         for old in stale:
             old.unlink()
     job_file.write_text(json.dumps(job))
-    dtype = np.dtype(tok.dtype)
-    done = {int(p.stem[6:]): p.stat().st_size // dtype.itemsize for p in work.glob("chunk-*.bin")}
+    # a chunk's .json (tokens, documents, any text) is written before its .bin is renamed
+    done = {int(p.stem[6:]): json.loads(p.with_suffix(".json").read_text())
+            for p in work.glob("chunk-*.bin")}
     if done:
         print(f"allhands: continuing: {len(done)} chunks of an interrupted run are done",
               file=sys.stderr, flush=True)
@@ -162,35 +191,30 @@ def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
     workers = workers or os.cpu_count() or 1
     spec = ("byte",) if isinstance(tok, ByteTokenizer) else (str(tok.path), tok.eot_token)
     bar = _Bar(sum(p.stat().st_size for p in files), progress)
-    counts: dict[int, int] = dict(done)
-    chars = 0
+    stats: dict[int, list[int]] = dict(done)
     pool = None
+
+    def collect(k: int, disk: int, result) -> None:
+        stats[k] = result.get() if pool is not None else result
+        bar.update(disk, stats[k][1], stats[k][0])
+
     try:
         if workers > 1:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per process
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec,))
+            pool = _pool(workers, spec)
         else:
             _init_worker_here(spec)
         pending: deque = deque()  # in flight, oldest first: at most 2 per worker held in memory
-        for k, (docs, disk, n_chars) in enumerate(_chunks(files, field, chunk_bytes)):
-            chars += n_chars
+        for k, (pieces, disk) in enumerate(_chunks(files, field, chunk_bytes)):
             if k in done:
-                bar.update(disk, len(docs), 0)
-                continue
-            if pool is None:
-                counts[k] = _encode_chunk(k, docs, str(work))
-                bar.update(disk, len(docs), counts[k])
-                continue
-            pending.append((k, disk, len(docs), pool.apply_async(_encode_chunk, (k, docs, str(work)))))
-            while len(pending) > 2 * workers or (pending and pending[0][3].ready()):
-                k0, d0, n0, res = pending.popleft()
-                counts[k0] = res.get()
-                bar.update(d0, n0, counts[k0])
+                bar.update(disk, done[k][1], 0)
+            elif pool is None:
+                collect(k, disk, _encode_chunk(k, pieces, field, str(work)))
+            else:
+                pending.append((k, disk, pool.apply_async(_encode_chunk, (k, pieces, field, str(work)))))
+            while len(pending) > 2 * workers or (pending and pending[0][2].ready()):
+                collect(*pending.popleft())
         while pending:
-            k0, d0, n0, res = pending.popleft()
-            counts[k0] = res.get()
-            bar.update(d0, n0, counts[k0])
+            collect(*pending.popleft())
     except BaseException:
         if pool is not None:
             pool.terminate()
@@ -200,18 +224,32 @@ def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
     if pool is not None:
         pool.close()
         pool.join()
-    if chars == 0:
+    if not sum(s[2] for s in stats.values()):
         raise DataError(f"inputs {' '.join(inputs)!r} hold no text (the corpus is empty); check "
                         f"--field and the files")
-    order = sorted(counts)
-    total = sum(counts.values())
-    pieces = (np.fromfile(work / f"chunk-{k:06d}.bin", dtype=dtype) for k in order)
     info = tokenizer_info(tok)
     if not isinstance(tok, ByteTokenizer):
         shutil.copyfile(tok.path, out / TOKENIZER_FILE)
-    meta = write_shards(out, pieces, total, info, val_fraction, shard_tokens)
+    chunks = [(work / f"chunk-{k:06d}.bin", stats[k][0]) for k in sorted(stats)]
+    meta = write_shards_from_files(out, chunks, info, val_fraction, shard_tokens)
     shutil.rmtree(work, ignore_errors=True)
     return meta
+
+
+def _pool(workers: int, spec: tuple):
+    """The worker processes, started with TOKENIZERS_PARALLELISM=false (one thread each, and no
+    fork warning from tokenizers); the caller's setting is restored after, so that its own
+    tokenizers calls keep their threads."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(spec,))
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def _init_worker_here(spec: tuple) -> None:

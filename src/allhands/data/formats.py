@@ -9,12 +9,16 @@ a ``datasets`` directory is read from its Arrow files with pyarrow (the same fil
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import io
 import json
+import operator
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
 
 from allhands.errors import DataError
 
@@ -137,22 +141,116 @@ def _open_jsonl(path: Path, raw: _Counting):
 
 
 def _jsonl(path: Path, field: str) -> Batches:
+    for data, line, advanced in jsonl_blocks(path, 1 << 22):
+        docs = jsonl_docs(path, data, field, line)
+        for i in range(0, max(len(docs), 1), BATCH_DOCS):
+            yield docs[i:i + BATCH_DOCS], advanced if i == 0 else 0
+
+
+def jsonl_blocks(path: Path, size: int) -> Iterator[tuple[bytes, int, int]]:
+    """A (compressed) JSON-lines file as blocks of whole lines of about ``size`` bytes:
+    ``(block, number of its first line, bytes advanced on disk)``."""
     with open(path, "rb", buffering=0) as f:
         raw = _Counting(f)
-        stream = io.BufferedReader(_open_jsonl(path, raw), 1 << 20)
-        batch, last = [], 0
+        stream = _open_jsonl(path, raw)
+        rest, line, last = b"", 1, 0
         try:
-            for lineno, line in enumerate(stream, 1):
-                if not line.strip():
+            while got := stream.read(size):
+                data = rest + got
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:  # no line ends yet: read on
+                    rest = data
                     continue
-                batch.append(_json_field(path, lineno, line, field))
-                if len(batch) == BATCH_DOCS:
-                    yield batch, raw.pos - last
-                    batch, last = [], raw.pos
+                block, rest = data[:cut], data[cut:]
+                yield block, line, raw.pos - last
+                line, last = line + block.count(b"\n"), raw.pos
         except (OSError, EOFError) as e:  # a damaged gzip or zstd stream
             raise DataError(f"{str(path)!r} cannot be decompressed ({e}); the file is damaged") from None
-        if batch or raw.pos > last:
-            yield batch, raw.pos - last
+        if rest or raw.pos > last:
+            yield rest, line, raw.pos - last
+
+
+def is_jsonl(path: Path) -> bool:
+    return _kind(path) == "jsonl"
+
+
+def is_plain_jsonl(path: Path) -> bool:
+    return path.name.lower().endswith((".jsonl", ".ndjson"))
+
+
+def jsonl_ranges(path: Path, size: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` byte ranges of whole lines of an uncompressed JSON-lines file, each
+    about ``size`` bytes: only the bytes around each cut are read."""
+    total = path.stat().st_size
+    with open(path, "rb") as f:
+        start = 0
+        while start < total:
+            end = min(start + size, total)
+            f.seek(end - 1)  # the range ends after the first line end at or after end - 1
+            while end < total:
+                piece = f.read(1 << 16)
+                i = piece.find(b"\n")
+                if i >= 0:
+                    end += i
+                    break
+                end += len(piece)
+            end = min(end, total)
+            yield start, end
+            start = end
+
+
+def read_range(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+_TEXT = operator.attrgetter("text")
+
+
+@functools.lru_cache(maxsize=8)
+def _msgspec_decoder(field: str):
+    import msgspec  # optional dependency: the `data` extra (see _fast_docs)
+
+    # gc=False: the documents' structs hold only a string, so the collector need not track them
+    doc = msgspec.defstruct("Doc", [("text", str)], rename={"text": field}, gc=False)
+    return msgspec.json.Decoder(doc)
+
+
+def _fast_docs(data: bytes, field: str) -> list[str] | None:
+    """``data``'s documents decoded by msgspec (several times faster than the json module), or
+    None where that might not give json's result; json then reads the block, and gives the same
+    documents or the exact error. msgspec reads a stream of values, whatever the line breaks;
+    here each line starts with ``{`` and ends with ``}``, so no value can go on past a line's
+    end (a string holds no raw line break, and ``}`` then ``{`` is JSON only between two
+    values), and as many values as lines means one value per line."""
+    try:
+        import msgspec  # optional dependency: the `data` extra
+    except ImportError:
+        return None
+    raw = np.frombuffer(data, np.uint8)
+    ends = np.flatnonzero(raw == 0x0A)  # line ends
+    last = data.endswith(b"\n")
+    if not (data.startswith(b"{") and data.endswith(b"}\n" if last else b"}")
+            and np.all(raw[ends - 1] == 0x7D) and np.all(raw[ends[:len(ends) - last] + 1] == 0x7B)):
+        return None
+    try:
+        docs = _msgspec_decoder(field).decode_lines(data)
+    except (ValueError, msgspec.MsgspecError):
+        return None
+    return list(map(_TEXT, docs)) if len(docs) == len(ends) + (not last) else None
+
+
+def jsonl_docs(path: Path, data: bytes, field: str, first_line: int = 0, start: int = 0) -> list[str]:
+    """The documents of ``data``, whole JSON lines of ``path``; blank lines are skipped. The
+    first line's number (for errors), when not given, is counted from ``start``, its offset."""
+    docs = _fast_docs(data, field)
+    if docs is not None:
+        return docs
+    if not first_line:
+        first_line = 1 + read_range(path, 0, start).count(b"\n")
+    return [_json_field(path, first_line + i, line, field)
+            for i, line in enumerate(data.split(b"\n")) if line.strip()]
 
 
 def _json_field(path: Path, lineno: int, line: bytes, field: str) -> str:

@@ -39,6 +39,60 @@ def write_shards(out: Path, pieces: Iterable[np.ndarray], total: int, info: dict
     """Write the token stream given as ``pieces`` (``total`` tokens in all) as train/val shards
     and meta.json (with the tokenizer ``info``) into ``out``; the last ``val_fraction`` of the
     stream is the val split. Streams: no more than one piece is held at a time."""
+    dtype = dtype_for(info["vocab_size"])
+    it, held = iter(pieces), [np.zeros(0, dtype)]
+
+    def fill(f, n: int) -> None:
+        while n:
+            if not len(held[0]):
+                held[0] = np.ascontiguousarray(next(it), dtype=dtype)
+                continue
+            take = min(len(held[0]), n)
+            f.write(held[0][:take].data)  # one write call (see corpus._encode_chunk)
+            held[0], n = held[0][take:], n - take
+
+    return _write(out, total, info, val_fraction, shard_tokens, fill)
+
+
+def write_shards_from_files(out: Path, files: list[tuple[Path, int]], info: dict,
+                            val_fraction: float = 0.05, shard_tokens: int = 1 << 24) -> dict:
+    """:func:`write_shards` of the stream stored as raw token ``files`` (path, tokens), in
+    order; the bytes are copied file to file by the kernel (copy_file_range), never through
+    Python, or read and written where the system has no such call."""
+    itemsize = np.dtype(dtype_for(info["vocab_size"])).itemsize
+    queue = [(path, n * itemsize) for path, n in reversed(files)]
+    src: list = [None, 0, 0]  # the open source file, its offset, the bytes left in it
+
+    def fill(f, n: int) -> None:
+        f.flush()
+        n *= itemsize
+        while n:
+            if not src[2]:
+                if src[0] is not None:
+                    src[0].close()
+                path, size = queue.pop()
+                src[:] = [open(path, "rb"), 0, size]
+                continue
+            step = min(n, src[2])
+            try:
+                done = os.copy_file_range(src[0].fileno(), f.fileno(), step, src[1])
+            except (AttributeError, OSError):  # not Linux, or not between these file systems
+                done = f.write(os.pread(src[0].fileno(), min(step, 1 << 24), src[1]))
+                f.flush()
+            if done <= 0:
+                raise DataError(f"{src[0].name!r} ended early; re-run `allhands prepare`")
+            src[1], src[2], n = src[1] + done, src[2] - done, n - done
+
+    try:
+        return _write(out, sum(n for _, n in files), info, val_fraction, shard_tokens, fill)
+    finally:
+        if src[0] is not None:
+            src[0].close()
+
+
+def _write(out: Path, total: int, info: dict, val_fraction: float, shard_tokens: int,
+           fill) -> dict:
+    """The shard layout: ``fill(file, n)`` writes the stream's next ``n`` tokens to ``file``."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction {val_fraction} must be in (0, 1)")
     # Each split holds at least one sample of the default model.seq_len plus its target.
@@ -53,20 +107,13 @@ def write_shards(out: Path, pieces: Iterable[np.ndarray], total: int, info: dict
     except OSError as e:
         raise DataError(f"--out: {cannot_write(out, e)}; pass a writable directory") from None
     splits: dict[str, list[dict]] = {}
-    it = iter(pieces)
-    piece = np.zeros(0, dtype)
     for split, left in (("train", total - n_val), ("val", n_val)):
         entries = splits[split] = []
         while True:  # one shard file per turn; an empty split still gets one (empty) file
-            name, n = f"{split}-{len(entries):03d}.bin", 0
+            name, n = f"{split}-{len(entries):03d}.bin", min(shard_tokens, left)
             with open(out / name, "wb") as f:
-                while n < shard_tokens and left > 0:
-                    if not len(piece):
-                        piece = next(it).astype(dtype, copy=False)
-                        continue
-                    take = min(len(piece), shard_tokens - n, left)
-                    piece[:take].tofile(f)
-                    piece, n, left = piece[take:], n + take, left - take
+                fill(f, n)
+            left -= n
             entries.append({"file": name, "tokens": n})
             if left == 0:
                 break

@@ -50,8 +50,16 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
 
     def encode_docs(self, texts: list[str]) -> np.ndarray:
-        return _join([np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts],
-                     self.eot, self.dtype)
+        """One join and one widening, no per-document array; the byte after each document
+        becomes EOT."""
+        if not texts:
+            return np.zeros(0, dtype=self.dtype)
+        parts = list(map(str.encode, texts))  # UTF-8
+        ends = np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)) + 1) - 1
+        parts.append(b"")
+        ids = np.frombuffer(b"\0".join(parts), np.uint8).astype(self.dtype)
+        ids[ends] = self.eot
+        return ids
 
     def decode(self, ids) -> str:
         arr = np.asarray(ids, dtype=np.int64)
