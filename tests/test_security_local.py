@@ -249,16 +249,18 @@ def _attacked_job(stranger, out: Path, cli_env: dict, what: str):
 
 
 def undisturbed_or_stopped(jobs: list[subprocess.Popen], errs: list[str], out: Path) -> None:
-    """Either the job stopped (each launcher: exit 1 and one error line; no rank's result), or it
-    computed with its own members only (each rank's all_reduce of rank + 1 is 3)."""
+    """Either the job stopped (each launcher: exit 1 and one error line, one of them naming the
+    intrusion; no rank's result), or it computed with its own members only (each rank's
+    all_reduce of rank + 1 is 3)."""
     results = [json.loads(p.read_text())["sum"] for p in sorted(out.glob("rank*.json"))]
     codes = [job.returncode for job in jobs]
     if codes == [0] * len(jobs):
         assert results == [3.0, 3.0], (results, errs)
         return
     assert not results and codes == [1] * len(jobs), (codes, results, [e[-3000:] for e in errs])
-    for err in errs:
-        assert len([ln for ln in err.splitlines() if ln.startswith("allhands: error:")]) == 1, err
+    lines = [[ln for ln in err.splitlines() if ln.startswith("allhands: error:")] for err in errs]
+    assert all(len(said) == 1 for said in lines), errs
+    assert any("intrusion: refused key" in said[0] for said in lines), lines
 
 
 INTRUSION = (r"allhands: intrusion: refused key '{key}' in the {store} at {addr}:\d+: its value "
