@@ -204,10 +204,11 @@ def strike(job: list[subprocess.Popen], out: Path, forger, what: str,
            addr: str = r"127\.0\.0\.1") -> tuple[subprocess.Popen, str]:
     """Attack ``job`` (``allhands launch`` of tests/scripts/store_job.py; its first process names
     the stores) with tests/scripts/store_forger.py ``what``, started by ``forger(port)`` as soon
-    as the store it targets is named (so its start-up overlaps the job's), told to write once the
-    workers were admitted and wait. Records in the worker store are read by the process group
-    the workers then make (``go``); the rendezvous state by the launchers' next keep-alive.
-    Returns the attacker and what it said it wrote."""
+    as the store it targets is named (so its start-up overlaps the job's). Records in the worker
+    store: written once the workers were admitted and wait, read by the process group they then
+    make (``go``). The rendezvous state: written once there is one (the job starting), read by
+    the launchers' next keep-alive, or a joining node. Returns the attacker and what it said it
+    wrote."""
     lines = []
     for line in job[0].stderr:
         lines.append(line)
@@ -219,7 +220,7 @@ def strike(job: list[subprocess.Popen], out: Path, forger, what: str,
     attacker = forger(ports["rendezvous store" if what == "state" else "worker store"])
     assert attacker.stdout.readline().strip() == "connected", attacker.communicate()[1][-3000:]
     deadline = time.monotonic() + 120
-    while not all((out / f"ready{r}").exists() for r in (0, 1)):
+    while what != "state" and not all((out / f"ready{r}").exists() for r in (0, 1)):
         for proc in job:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)

@@ -13,7 +13,7 @@ groups (keys gloo has not written yet), so those ranks would dial whatever it na
 the stranger's bid to join the next process groups as rank 1: a listener of its own, and rank
 0's record rewritten to that listener's address as rank 1's record of those groups, so that rank
 0 would connect to the stranger and take it for a member; once its standard input closes it
-says whether anyone dialled. ``state``: reads torch's rendezvous state, adds a node to its wait
+says whether anyone dialled. ``state``: reads torch's rendezvous state (once there is one), adds a node to its wait
 list (which makes torch's agents restart every worker to admit it) and writes it back. Prints
 what it wrote.
 """
@@ -24,6 +24,7 @@ import re
 import select
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -78,7 +79,12 @@ elif what == "admit":
 elif what == "state":
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-    key = next(k for k in keys if k.startswith("torch.rendezvous.") and k.count(".") == 2)
+    deadline = time.monotonic() + 60  # told to strike as the job starts: once the state exists
+    while not (found := [k for k in keys if k.startswith("torch.rendezvous.") and k.count(".") == 2]):
+        assert time.monotonic() < deadline, "no rendezvous state in the store"
+        time.sleep(0.1)
+        keys = store.list_keys()
+    key = found[0]
     raw = store.get(key)
     for start in (0, 32, 48):  # as stored, or behind a tag (and nonce) the attacker cannot make
         try:
