@@ -1,14 +1,16 @@
 """What the authenticated store (authstore.MACStore) and admission cost at a job's start-up.
 
-Two figures, each with the job secret and without one (``--insecure``):
+Two figures, in three settings: ``insecure`` (no secret: a plain store, no admission, as
+``--insecure``), ``mac`` (the store sealed under the secret, admission skipped: the MAC's own
+share) and ``secret`` (both, as every allhands job):
 
 - ops: microseconds per ``set`` + ``get`` of a 170-byte value (the size of a gloo connection
   record) through torch's ``PrefixStore`` on a TCPStore client over loopback, plain or sealed;
 - start-up: in each of WORLD worker processes, from the moment all are up to the end of
   ``init_process_group`` and GROUPS further ``new_group`` calls (the mesh makes one per
-  dimension), each group admitted with the secret (admission.admit_peers, two small
-  all-gathers). Interpreter and torch import times are not in it. The median over ranks, then
-  over repeats (settings alternate, so a load change on the machine hits both alike).
+  dimension), each group admitted (admission.admit_peers, two small all-gathers) in the
+  ``secret`` setting. Interpreter and torch import times are not in it. The median over ranks,
+  then over repeats (settings alternate, so a load change on the machine hits all alike).
 
     python bench/store_auth.py [--world 4] [--groups 4] [--repeats 5] [--ops 2000]
 """
@@ -33,6 +35,7 @@ from allhands.admission import admit_peers
 from allhands.authstore import sealed
 
 SECRET = "bench-secret-" + "x" * 32
+SETTINGS = ("insecure", "mac", "secret")
 
 
 def ops(n: int) -> dict[str, float]:
@@ -40,7 +43,7 @@ def ops(n: int) -> dict[str, float]:
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
     value = bytes(170)
     out = {}
-    for name, store in (("insecure", client), ("secret", sealed(client, SECRET, "bench"))):
+    for name, store in (("insecure", client), ("mac", sealed(client, SECRET, "bench"))):
         prefixed = dist.PrefixStore(f"bench-{name}", store)
         t0 = time.perf_counter()
         for i in range(n):
@@ -69,11 +72,15 @@ def worker(rank: int, world: int, port: int, groups: int, secret: str, out: str)
     dist.destroy_process_group()
 
 
-def startup(world: int, groups: int, secret: str) -> float:
+def startup(world: int, groups: int, setting: str) -> float:
+    """The median over ranks of :func:`worker`'s seconds; the store is sealed unless
+    ``insecure``, and admission (which reads the worker environment) runs only in ``secret``."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    admit = setting == "secret"
+    secret = "" if setting == "insecure" else SECRET
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(server.port), ALLHANDS_SECRET=secret,
-               ALLHANDS_INSECURE="" if secret else "1")
+               MASTER_PORT=str(server.port), ALLHANDS_SECRET=secret if admit else "",
+               ALLHANDS_INSECURE="" if admit else "1")
     with tempfile.TemporaryDirectory() as out:
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world),
                                    str(server.port), str(groups), secret, out], env=env)
@@ -94,11 +101,12 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=2000)
     a = ap.parse_args()
     per_op = ops(a.ops)
-    times: dict[str, list[float]] = {"insecure": [], "secret": []}
+    per_op["secret"] = per_op["mac"]  # admission adds no store operation
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for _ in range(a.repeats):
-        for name, secret in (("insecure", ""), ("secret", SECRET)):
-            times[name].append(startup(a.world, a.groups, secret))
-    for name in ("insecure", "secret"):
+        for name in SETTINGS:
+            times[name].append(startup(a.world, a.groups, name))
+    for name in SETTINGS:
         print(json.dumps({"setting": name, "set_get_us": round(per_op[name], 1),
                           "startup_ms": round(1e3 * statistics.median(times[name]), 1),
                           "startup_ms_all": [round(1e3 * t, 1) for t in times[name]],
