@@ -145,6 +145,21 @@ def test_recovery_is_on_by_default_and_the_start_up_line_says_so():
     assert off.startswith("allhands: recovery: off (fault.max_restarts=0)") and "--max-restarts N" in off
 
 
+
+def test_a_node_admitted_is_said_and_recorded_but_not_counted(tmp_path):
+    """A node waiting to join restarts every worker (torch's agent): a membership change, so one
+    line and a restarts.jsonl record with the verdict ``admit``, never silent, never counted."""
+    c = Clock()
+    job = c.job(RestartPolicy(max_restarts=1), run_dir=tmp_path, node="10.61.0.2")
+    commit_checkpoint(tmp_path, 4)
+    job.admit()
+    assert c.lines == ["allhands: a node is waiting to join; node 10.61.0.2 restarts its workers "
+                       "to admit it from checkpoint step 4 (not counted as a restart)"]
+    (rec,) = records(tmp_path)
+    assert (rec["verdict"], rec["node"], rec["resume_from"]) == ("admit", "10.61.0.2",
+                                                                 "checkpoint step 4")
+    assert job.restarts == 0 and job.decide(KILLED, progressed=True).verdict == "restart"
+
 def test_the_backoff_doubles_while_stalled_resets_after_progress_and_is_capped():
     c = Clock()
     job = c.job(RestartPolicy(max_restarts=20, backoff_s=1, max_backoff_s=5))

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from allhands.errors import CheckpointError
 from allhands.admission import new_secret, prove, verify
+from allhands.checkpoint.export import export_weights
 from allhands.checkpoint.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from allhands.checkpoint.safe import (RestrictedUnpickler, SafeFileSystemReader, checkpoint_error_from,
                                       verify_metadata)
@@ -445,6 +446,9 @@ def test_resume_of_crafted_checkpoints_runs_no_payload(token_dir, tmp_path):
     msg = _resume_fails_in_one_line(cfg, run_dir)
     assert "refused to unpickle" in msg and ".metadata" in msg and not canary.exists()
     assert "refused (unsafe)" in msg
+    with pytest.raises(CheckpointError) as ei:  # export reads the same .metadata
+        export_weights(run_dir, tmp_path / "w.safetensors")
+    assert _one_line(ei.value) == msg and not canary.exists()
 
     # 2. A genuine-looking .metadata whose bytes item (the scheduler's last_epoch, a pickled
     #    int) now points at a torch.save'd payload appended to the shard.

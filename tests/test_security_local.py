@@ -197,40 +197,75 @@ def test_a_secret_file_others_may_read_or_write_is_refused(tmp_path, mode):
 # --------------------------------------------------------------------------- the stores
 
 SITE = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"), None)
+FORGER = str(ROOT / "tests/scripts/store_forger.py")
 
 
-def _start_job(out: Path, cli_env: dict) -> tuple[subprocess.Popen, dict[str, int]]:
-    """``allhands launch`` of tests/scripts/store_job.py, once its workers were admitted and
-    wait; returns it and the ports its line names (``{"rendezvous store": port, ...}``)."""
-    out.mkdir()
-    proc = subprocess.Popen([*ALLHANDS, "launch", "--nproc", "2", "tests/scripts/store_job.py",
-                             str(out)], env=cli_env, cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def strike(job: list[subprocess.Popen], out: Path, forger, what: str,
+           addr: str = r"127\.0\.0\.1") -> tuple[subprocess.Popen, str]:
+    """Attack ``job`` (``allhands launch`` of tests/scripts/store_job.py; its first process names
+    the stores) with tests/scripts/store_forger.py ``what``, started by ``forger(port)`` as soon
+    as the store it targets is named (so its start-up overlaps the job's). Records in the worker
+    store: written once the workers were admitted and wait, read by the process group they then
+    make (``go``). The rendezvous state: written once there is one (the job starting), read by
+    the launchers' next keep-alive, or a joining node. Returns the attacker and what it said it
+    wrote."""
     lines = []
-    for line in proc.stderr:
+    for line in job[0].stderr:
         lines.append(line)
         if line.startswith("allhands: listening on"):
-            ports = {what: int(port) for port, what in
-                     re.findall(r"127\.0\.0\.1:(\d+) \((rendezvous store|worker store)", line)}
-            _wait_ready(out, proc)
-            return proc, ports
-    raise AssertionError("".join(lines)[-3000:])
-
-
-def _forge(stranger, port: int, what: str) -> str:
-    attacker = as_user(stranger, [SYSTEM_PYTHON, str(ROOT / "tests/scripts/store_forger.py"),
-                                  "127.0.0.1", str(port), what],
-                       env={"PYTHONPATH": str(SITE)})
-    out, err = attacker.communicate(timeout=60)
-    assert attacker.returncode == 0, err[-3000:]
-    return out
-
-
-def _wait_ready(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not all((out / f"ready{r}").exists() for r in (0, 1)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            break
+    ports = {kind: int(port) for port, kind in
+             re.findall(addr + r":(\d+) \((rendezvous store|worker store)", "".join(lines[-1:]))}
+    assert len(ports) == 2, "".join(lines)[-3000:]
+    attacker = forger(ports["rendezvous store" if what == "state" else "worker store"])
+    assert attacker.stdout.readline().strip() == "connected", attacker.communicate()[1][-3000:]
+    deadline = time.monotonic() + 120
+    while what != "state" and not all((out / f"ready{r}").exists() for r in (0, 1)):
+        for proc in job:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)
+    attacker.stdin.write("strike\n")
+    attacker.stdin.flush()
+    said = attacker.stdout.readline()
+    if what != "state":
+        (out / "go").touch()
+    return attacker, said
+
+
+def _attacked_job(stranger, out: Path, cli_env: dict, what: str):
+    """A single-host job of 2 workers attacked by ``stranger`` (see :func:`strike`)."""
+    out.mkdir()
+    job = subprocess.Popen([*ALLHANDS, "launch", "--nproc", "2", "tests/scripts/store_job.py",
+                            str(out)], env=cli_env, cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        attacker, said = strike([job], out, lambda port: as_user(
+            stranger, [SYSTEM_PYTHON, FORGER, "127.0.0.1", str(port), what],
+            env={"PYTHONPATH": str(SITE)}, stdin=subprocess.PIPE), what)
+        err = job.communicate(timeout=120)[1]
+    finally:
+        (out / "go").touch()
+        job.kill()
+    return job, err, said, attacker.communicate(timeout=30)[0]  # closes its stdin first
+
+
+def undisturbed_or_stopped(jobs: list[subprocess.Popen], errs: list[str], out: Path) -> None:
+    """Either the job stopped (each launcher: exit 1 and one error line, one of them naming the
+    intrusion; no rank's result), or it computed with its own members only (each rank's
+    all_reduce of rank + 1 is 3)."""
+    results = [json.loads(p.read_text())["sum"] for p in sorted(out.glob("rank*.json"))]
+    codes = [job.returncode for job in jobs]
+    if codes == [0] * len(jobs):
+        assert results == [3.0, 3.0], (results, errs)
+        return
+    assert not results and codes == [1] * len(jobs), (codes, results, [e[-3000:] for e in errs])
+    lines = [[ln for ln in err.splitlines() if ln.startswith("allhands: error:")] for err in errs]
+    assert all(len(said) == 1 for said in lines), errs
+    assert any("intrusion: refused key" in said[0] for said in lines), lines
+
+
+INTRUSION = (r"allhands: intrusion: refused key '{key}' in the {store} at {addr}:\d+: its value "
+             r"has no valid MAC")
 
 
 @needs_root
@@ -240,22 +275,26 @@ def test_forged_gloo_connection_records_are_refused(stranger, tmp_path, cli_env)
     MAC under the job secret, so the forged ones are refused and named, and no rank computes
     with a peer it did not verify."""
     out = tmp_path / "out"
-    proc, ports = _start_job(out, cli_env)
-    try:
-        said = _forge(stranger, ports["worker store"], "gloo")
-        assert said.startswith("forged"), said
-        (out / "go").touch()
-        err = proc.communicate(timeout=180)[1]
-    finally:
-        (out / "go").touch()
-        proc.kill()
-    intrusions = [ln for ln in err.splitlines() if "intrusion: refused key '0//" in ln]
-    assert intrusions and "worker store at 127.0.0.1" in intrusions[0], err[-3000:]
-    assert "no valid MAC" in intrusions[0]
-    results = [json.loads(p.read_text())["sum"] for p in sorted(out.glob("rank*.json"))]
-    # Either the job stopped, or its restart (the forgery is not repeated) computed undisturbed.
-    assert (proc.returncode == 1 and not results) or (proc.returncode == 0 and results == [3.0, 3.0]), \
-        (proc.returncode, results, err[-3000:])
+    job, err, said, _ = _attacked_job(stranger, out, cli_env, "gloo")
+    assert said.startswith("forged"), said
+    assert re.search(INTRUSION.format(key=r"0//\d+//cpu//0/1", store="worker store",
+                                      addr=r"127\.0\.0\.1"), err), err[-3000:]
+    undisturbed_or_stopped([job], [err], out)
+
+
+@needs_root
+def test_a_forged_admission_record_is_refused(stranger, tmp_path, cli_env):
+    """The stranger's bid to join: its own listener as rank 1's connection record of the job's
+    next process group (allhands' own admission proofs travel over the process group, so this
+    record is the only admission step in a store). Refused and named; nobody dials the
+    stranger."""
+    out = tmp_path / "out"
+    job, err, said, after = _attacked_job(stranger, out, cli_env, "admit")
+    assert said.startswith("forged") and "admission records as rank 1" in said, said
+    assert re.search(INTRUSION.format(key=r"0//\d+//cpu//0/1", store="worker store",
+                                      addr=r"127\.0\.0\.1"), err), err[-3000:]
+    assert after.strip() == "never dialled", after
+    undisturbed_or_stopped([job], [err], out)
 
 
 @needs_root
@@ -263,15 +302,9 @@ def test_a_forged_rendezvous_state_is_refused(stranger, tmp_path, cli_env):
     """A well-formed state with a fake node on the wait list made torch's agent restart every
     worker, silently; its MAC is missing, so the launcher refuses it and stops in one line."""
     out = tmp_path / "out"
-    proc, ports = _start_job(out, cli_env)
-    try:
-        said = _forge(stranger, ports["rendezvous store"], "state")
-        assert said.startswith("forged the rendezvous state"), said
-        err = proc.communicate(timeout=60)[1]
-    finally:
-        (out / "go").touch()
-        proc.kill()
-    assert proc.returncode == 1, err[-3000:]
-    assert re.search(r"allhands: intrusion: refused key 'torch\.rendezvous\.\w+' in the rendezvous "
-                     r"store at 127\.0\.0\.1:\d+: its value has no valid MAC", err), err[-3000:]
+    job, err, said, _ = _attacked_job(stranger, out, cli_env, "state")
+    assert said.startswith("forged the rendezvous state"), said
+    assert job.returncode == 1, err[-3000:]
+    assert re.search(INTRUSION.format(key=r"torch\.rendezvous\.\w+", store="rendezvous store",
+                                      addr=r"127\.0\.0\.1"), err), err[-3000:]
     assert "waiting to join" not in err and "Traceback" not in err

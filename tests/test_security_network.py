@@ -138,11 +138,17 @@ def test_rank_with_another_secret_is_refused_before_any_tensor(tmp_path, cli_env
 
 
 def test_raw_stranger_that_all_reduces_poison_gets_no_result_in(tmp_path, cli_env):
-    """A stranger: takes rank 1 without allhands and all_reduces 1000 at once. Rank 0's
-    first collective is admission, so the poison never meets a tensor of the job."""
+    """A stranger: takes rank 1 without allhands, through the job's worker store and keys, and
+    all_reduces 1000 at once. Its connection record has no MAC, so rank 0 refuses it before gloo
+    connects: the poison never meets a tensor of the job, and the job's line names the refusal
+    (an intrusion), not a lost node."""
     proc = _launch(["--nproc", "2", JOB, str(tmp_path), "0", "raw"], cli_env)
     err = _finish([proc])[0]
     assert proc.returncode == 1, err[-3000:]
+    summary = [ln for ln in err.splitlines() if ln.startswith("allhands: error:")]
+    assert len(summary) == 1 and "IntrusionError" in summary[0], err[-3000:]
+    assert "refused key '0//cpu//0/1' in the worker store" in summary[0], summary
+    assert "lost node" not in err, err[-3000:]
     assert not (tmp_path / "rank0.json").exists()
     stranger = tmp_path / "stranger.json"
     assert not stranger.exists() or json.loads(stranger.read_text())["sum"] != 1001.0

@@ -33,7 +33,11 @@ if stranger and env.rank == env.world_size - 1:
     elif stranger == "raw":
         import datetime
 
-        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,
+        # The job's own worker store and keys (a TCPStore client without a prefix, as allhands'
+        # workers have it; plain env:// would prefix them and never meet the job's).
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              env.world_size, False, timeout=datetime.timedelta(seconds=5))
+        dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=datetime.timedelta(seconds=5))
         poison = torch.tensor([1000.0])
         dist.all_reduce(poison)
