@@ -33,6 +33,8 @@ def places(tmp_path_factory, token_dir):
     (base / "blank.txt").write_text("  \n\n ")
     (base / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (base / "text.txt").write_text("enough text " * 100)
+    (base / "surrogate.jsonl").write_text('{"text": "half a pair \\udc80 of UTF-16"}\n'
+                                          + '{"text": "enough text here"}\n' * 50)
     (base / "bad.toml").write_text("[run\nsteps = ")
     (base / "emptydir").mkdir()
     (base / "badmetrics").mkdir()
@@ -144,6 +146,7 @@ CLI = [
     (["prepare", "{three_txt}", "--out", NEW], 2, "the input is 4 tokens"),
     (["prepare", "{base}/missing.txt", "--out", NEW], 2, "missing.txt"),
     (["prepare", "{latin1_txt}", "--out", NEW], 2, "is not UTF-8"),
+    (["prepare", "{surrogate_jsonl}", "--out", NEW], 2, "lone UTF-16 surrogate"),
     (["prepare", "{text_txt}", "--out", NEW, "--val-fraction", "1.5"], 2, "--val-fraction"),
     (["prepare", "{text_txt}", "--out", "{ro}/tokens"], 2, "Read-only file system"),
     (["prepare", "{text_txt}", "--out", "{afile}/tokens"], 2, "is a file, not a directory"),

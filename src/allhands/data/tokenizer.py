@@ -40,6 +40,14 @@ def _join(pieces: list[np.ndarray], eot: int, dtype) -> np.ndarray:
     return out
 
 
+def _not_text(e: UnicodeEncodeError) -> DataError:
+    """JSON may escape half of a UTF-16 pair (``\\udc80``); Python decodes it to a lone surrogate,
+    which no UTF-8 tokenizer can take."""
+    ch = e.object[e.start:e.end]
+    return DataError(f"a document holds {ch!r}, a lone UTF-16 surrogate (e.g. a JSON {ascii(ch)[1:-1]} "
+                     f"escape), which is not Unicode text; fix or drop that document")
+
+
 class ByteTokenizer:
     name = "byte"
     eot = 256
@@ -54,7 +62,10 @@ class ByteTokenizer:
         becomes EOT."""
         if not texts:
             return np.zeros(0, dtype=self.dtype)
-        parts = list(map(str.encode, texts))  # UTF-8
+        try:
+            parts = list(map(str.encode, texts))  # UTF-8
+        except UnicodeEncodeError as e:
+            raise _not_text(e) from None
         ends = np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)) + 1) - 1
         parts.append(b"")
         ids = np.frombuffer(b"\0".join(parts), np.uint8).astype(self.dtype)
@@ -104,7 +115,16 @@ class HFTokenizer:
 
     def encode_docs(self, texts: list[str]) -> np.ndarray:
         enc = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # fast: no offsets
-        pieces = [np.asarray(e.ids, dtype=self.dtype) for e in enc(texts, add_special_tokens=False)]
+        try:
+            batch = enc(texts, add_special_tokens=False)
+        except (TypeError, UnicodeEncodeError) as e:  # the library cannot take a lone surrogate
+            for t in texts:
+                try:
+                    t.encode()
+                except UnicodeEncodeError as bad:
+                    raise _not_text(bad) from None
+            raise
+        pieces = [np.asarray(e.ids, dtype=self.dtype) for e in batch]
         return _join(pieces, self.eot, self.dtype)
 
     def decode(self, ids) -> str:
@@ -122,7 +142,10 @@ def train_bpe(docs: Iterable[str], vocab_size: int, out: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer=trainer)
+    try:
+        tok.train_from_iterator(docs, trainer=trainer)
+    except UnicodeEncodeError as e:
+        raise _not_text(e) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
     return out
