@@ -117,7 +117,7 @@ class HFTokenizer:
         enc = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # fast: no offsets
         try:
             batch = enc(texts, add_special_tokens=False)
-        except (TypeError, UnicodeEncodeError) as e:  # the library cannot take a lone surrogate
+        except (TypeError, UnicodeEncodeError):  # the library cannot take a lone surrogate
             for t in texts:
                 try:
                     t.encode()
