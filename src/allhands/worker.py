@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from allhands.authstore import sealed
 from allhands.checkpoint import Checkpointer, committed
+from allhands.checkpoint.heal import ReplicaGroup, group_dir
 from allhands.config import Config, validate
-from allhands.env import worker_env
+from allhands.env import ReplicaEnv, replica_env, worker_env
 from allhands.errors import AllhandsError
+from allhands.faults import FaultInjector
 from allhands.mesh import Mesh
 from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
+from allhands.sync.quorum import QuorumFinished, ReplicaQuorum
 from allhands.trainer import Job, Trainer
 
 
@@ -39,7 +45,10 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     mesh = Mesh.build(rank=rank, world_size=world, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
                       dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s, store=store)
+    replica = replica_env()
     try:
+        if replica is not None:  # fault.mode = "replica": this process is one replica group
+            return run_replica(cfg, job or Job(), mesh, replica)
         trainer = Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir))
         result = trainer.fit()
         if p.sync == "ps":  # after the last evaluation, which fetches embedding rows too
@@ -47,6 +56,27 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
         return result
     finally:
         mesh.destroy()
+
+
+def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str, Any]:
+    """One replica group's worker: the trainer, joined to the quorum of the groups."""
+    run_dir = Path(cfg.run.dir)
+    trainer = Trainer(cfg, job, mesh, group_dir(run_dir, rep.group))
+    # faults name the group (every group's only rank is 0) and fire once per job
+    trainer.faults = FaultInjector(cfg.fault.inject, rep.group, run_dir)
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    store = sealed(dist.TCPStore(rep.host, rep.port, is_master=False, timeout=timeout), rep.secret,
+                   f"replica store at {rep.host}:{rep.port}")
+    quorum = ReplicaQuorum(store, rep.group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
+                           dead_s=cfg.parallel.timeout_s, pg_timeout_s=cfg.parallel.timeout_s,
+                           min_groups=cfg.fault.min_groups)
+    group = ReplicaGroup(quorum, trainer)
+    try:
+        result = trainer.fit()
+    except QuorumFinished:  # the others completed the job while this group was joining
+        return {}
+    group.finish(trainer.train_state.step)
+    return result
 
 
 def ps_job(cfg: Config, job: Job) -> Job:
