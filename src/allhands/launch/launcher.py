@@ -36,6 +36,7 @@ from allhands.launch import rendezvous
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
 from allhands.launch.policy import RestartPolicy
+from allhands.launch.replicas import run_replicas
 from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.supervisor import supervise
 from allhands.worker import worker_main
@@ -315,6 +316,10 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
           file=sys.stderr, flush=True)
     if spec.rdzv_store == "external" and not spec.run_id:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
+    if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
+        run_replicas(cfg, spec.nproc, spec.multi_node, job, launch=launch, entry=worker_main,
+                     group_spec=dataclasses.replace(spec, nproc=1, port=0, run_id=""), policy=restart_policy(cfg, spec))
+        return
     launch(worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=restart_policy(cfg, spec),
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))
