@@ -7,8 +7,10 @@ that follows the stated batch rule (the global batch is kept, re-split over the 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,21 @@ def test_a_step_one_member_failed_is_discarded_by_all():
     verdicts = _in_threads(lambda: a._decide(q, 4, True), lambda: b._decide(q, 4, False))
     assert verdicts == [b"abort", b"abort"]
     assert a._decide(q, 5, True) == b"abort"  # b never reduced step 5: a gives up alone
+
+
+def test_a_peer_gone_between_steps_the_survivor_redoes_the_step_alone():
+    store = _store()
+    a, b = _quorum(store, 0), _quorum(store, 1)
+    _in_threads(lambda: a.form(3), lambda: b.form(3))
+    b.pg = b = None  # group 1 is gone after step 3: its connections close
+    gc.collect()
+    t0 = time.monotonic()
+    assert not a.allreduce([torch.ones(3)], 3) and a.reform  # step 4 is discarded
+    q = a.form(3)  # group 0 alone, after quorum_timeout_s
+    assert q.members == (0,) and q.qid == 2
+    g = [torch.full((3,), 2.0)]
+    assert a.allreduce(g, 3) and torch.equal(g[0], torch.full((3,), 2.0))
+    assert time.monotonic() - t0 < 10
 
 
 def test_replica_mode_refuses_layouts_it_does_not_support(token_dir, tmp_path):
