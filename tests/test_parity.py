@@ -19,8 +19,9 @@ from allhands.optim import build_optimizer, lr_lambda
 from conftest import tiny_config
 
 
-def reference_params(cfg) -> dict[str, torch.Tensor]:
-    """Plain single-process torch: one forward/backward over each whole global batch."""
+def reference_params(cfg, shares: int = 1) -> dict[str, torch.Tensor]:
+    """Plain single-process torch: one forward/backward over each whole global batch, or over
+    each of its ``shares`` equal slices with each loss weighted 1/shares (replica mode's rule)."""
     train, _, vocab = load_training_data(cfg)  # data.path or data.mix
     torch.manual_seed(cfg.run.seed)
     model = build_reference_model(cfg, vocab)
@@ -28,8 +29,9 @@ def reference_params(cfg) -> dict[str, torch.Tensor]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     sampler = GlobalSampler(len(train), cfg.run.global_batch, cfg.data.seed)
     for step in range(cfg.run.steps):
-        x, y = collate(train, sampler.global_batch_indices(step))
-        lm_loss(model(x), y).backward()
+        for share in range(shares):
+            x, y = collate(train, sampler.local_micro_batches(step, share, shares, 1)[0])
+            (lm_loss(model(x), y) * (1.0 / shares)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
         opt.step()
         sched.step()

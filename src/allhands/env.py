@@ -17,6 +17,31 @@ INSECURE_ENV = "ALLHANDS_INSECURE"
 """Set to 1 by ``--insecure``: workers skip admission."""
 
 
+REPLICA_ENV = "ALLHANDS_REPLICA"
+"""Replica mode (launch/replicas.py): ``GROUP,GROUPS,HOST,PORT`` of this worker's replica group
+and of the store where the groups meet."""
+REPLICA_SECRET_ENV = "ALLHANDS_REPLICA_SECRET"
+"""The secret every value of that store is MAC'd under (one per job, shared by its groups)."""
+
+
+@dataclass(frozen=True)
+class ReplicaEnv:
+    group: int
+    groups: int
+    host: str
+    port: int
+    secret: str | None
+
+
+def replica_env() -> ReplicaEnv | None:
+    """This worker's replica group and the quorum store, when launched in replica mode."""
+    e = os.environ
+    if not e.get(REPLICA_ENV):
+        return None
+    group, groups, host, port = e[REPLICA_ENV].split(",")
+    return ReplicaEnv(int(group), int(groups), host, int(port), e.get(REPLICA_SECRET_ENV) or None)
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     rank: int

@@ -98,6 +98,7 @@ class Trainer:
             devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier)
         self.flops: StepFlops | None = None
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
+        self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -173,6 +174,10 @@ class Trainer:
             if loss is not None:
                 loss_sum += loss
         self.layout.after_backward()
+        if self.replica is not None and not self.replica.reduce(self.parts, step):
+            self.optimizer.zero_grad(set_to_none=True)  # discarded by every member of the quorum
+            self.last_action = "discarded"
+            return loss_sum, loss_sum.new_zeros(())
         gnorm = self.layout.clip(self.cfg.optim.grad_clip)
         # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
         # Every rank decides alike (one all_reduce), whatever the sync strategy did to the grads.
@@ -213,7 +218,7 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
                                 progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
-        if ts.step < r.steps:
+        if ts.step < r.steps and self.replica is None:  # a replica's share waits for its quorum
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]
             self._first = (ts.step, collate(self.train_ds, idx))
@@ -237,10 +242,14 @@ class Trainer:
         self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
+                if self.replica is not None and self.replica.begin_step(self):
+                    continue  # healed from a peer: the step may have moved
                 self.faults.before_step(ts.step + 1)
                 self.heartbeat.beat(ts.step + 1)  # "working on step ts.step + 1": see supervise.py
                 t0 = time.perf_counter()
                 loss_sum, gnorm = self.train_step(ts.step)
+                if self.last_action == "discarded":
+                    continue
                 if self.last_action == "rollback" and self._rollback(metrics):
                     continue
                 if self.last_action != "ok":

@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from allhands.authstore import sealed
 from allhands.checkpoint import Checkpointer, committed
+from allhands.checkpoint.heal import ReplicaGroup, group_dir
 from allhands.config import Config, validate
-from allhands.env import worker_env
+from allhands.env import ReplicaEnv, replica_env, worker_env
 from allhands.errors import AllhandsError
+from allhands.faults import FaultInjector
 from allhands.mesh import Mesh
 from allhands.metrics import slow_phase
 from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
+from allhands.sync.quorum import QuorumFinished, ReplicaQuorum
 from allhands.trainer import Job, Trainer
 
 
@@ -45,7 +51,10 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
                       dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s, store=store)
     t = _said_since(env.rank, "the workers' rendezvous (process groups)", t)
+    replica = replica_env()
     try:
+        if replica is not None:  # fault.mode = "replica": this process is one replica group
+            return run_replica(cfg, job or Job(), mesh, replica)
         trainer = Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir))
         _said_since(env.rank, "building the data, model and layout", t)
         result = trainer.fit()
@@ -66,6 +75,27 @@ def _said_since(rank: int, what: str, t: float) -> float:
     now = time.time()
     _say(rank, slow_phase(what, now - t))
     return now
+
+
+def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str, Any]:
+    """One replica group's worker: the trainer, joined to the quorum of the groups."""
+    run_dir = Path(cfg.run.dir)
+    trainer = Trainer(cfg, job, mesh, group_dir(run_dir, rep.group))
+    # faults name the group (every group's only rank is 0) and fire once per job
+    trainer.faults = FaultInjector(cfg.fault.inject, rep.group, run_dir)
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    store = sealed(dist.TCPStore(rep.host, rep.port, is_master=False, timeout=timeout), rep.secret,
+                   f"replica store at {rep.host}:{rep.port}")
+    quorum = ReplicaQuorum(store, rep.group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
+                           dead_s=cfg.parallel.timeout_s, pg_timeout_s=cfg.parallel.timeout_s,
+                           min_groups=cfg.fault.min_groups)
+    group = ReplicaGroup(quorum, trainer)
+    try:
+        result = trainer.fit()
+    except QuorumFinished:  # the others completed the job while this group was joining
+        return {}
+    group.finish(trainer.train_state.step)
+    return result
 
 
 def ps_job(cfg: Config, job: Job) -> Job:

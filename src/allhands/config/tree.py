@@ -156,6 +156,8 @@ class CheckpointConfig:
 class FaultConfig:
     """Surviving failures: restarts, the hang watchdog, non-finite numbers, injected faults."""
 
+    mode: str = _f("restart", "on a worker failure: restart (every worker, from the last checkpoint) or "
+                              "replica (the other data-parallel replica groups carry on; see docs/faults.md)")
     max_restarts: int = _f(3, "restart all workers from the last checkpoint this many times, >= 0 "
                               "(0: a failed worker ends the job)")
     backoff_s: float = _f(1.0, "wait before a restart: backoff_s * 2**(k-1) after k failures in a row "
@@ -167,6 +169,10 @@ class FaultConfig:
                          "exception, oom, hang, nan, ckpt (kill during the checkpoint write), "
                          "flake (gloo's connectFullMesh error before the first step), slow=F "
                          "(from STEP on, every step F times as long: a straggler)")
+    quorum_timeout_s: float = _f(1.0, "replica mode: how long a re-forming quorum waits for a group "
+                                      "that does not answer (the survivors' stall after a failure), > 0")
+    min_groups: int = _f(1, "replica mode: train only while at least this many replica groups are in the "
+                            "quorum; with fewer, the survivors wait (in memory) for a replacement, >= 1")
     node_timeout_s: float = _f(15.0, "multi-node: a node whose agent sent no keep-alive for this long "
                                      "is dropped from the rendezvous (a lost host), >= 3")
     rdzv_last_call_s: float = _f(10.0, "multi-node --nnodes MIN:MAX: once MIN nodes joined a "

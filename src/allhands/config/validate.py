@@ -45,6 +45,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _check(c.mode in ("async", "sync"), "checkpoint.mode", "allowed: async, sync", c.mode)
     _check(0 <= c.max_overhead < 1, "checkpoint.max_overhead", "must be in [0, 1), e.g. 0.02", c.max_overhead)
     _validate_fault(cfg.fault)
+    _validate_replica(cfg)
     _check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
     _check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
@@ -247,6 +248,24 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     if p.pp_schedule == "interleaved1f1b" and mb % max(1, mb // pp):
         raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
                           f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
+
+
+def _validate_replica(cfg: Config) -> None:
+    """fault.mode = "replica" supports plain data parallelism, one process per replica group;
+    every other layout is refused here rather than trained with wrong parameters."""
+    f, p = cfg.fault, cfg.parallel
+    _check(f.mode in ("restart", "replica"), "fault.mode", "allowed: restart, replica", f.mode)
+    _check(f.quorum_timeout_s > 0, "fault.quorum_timeout_s", "must be > 0", f.quorum_timeout_s)
+    _check(f.min_groups >= 1, "fault.min_groups", "must be >= 1", f.min_groups)
+    if f.mode != "replica":
+        return
+    for name, value, plain in (("parallel.dp_shard", p.dp_shard, 1), ("parallel.tp", p.tp, 1),
+                               ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0),
+                               ("parallel.sync", p.sync, "allreduce"), ("sync.compress", cfg.sync.compress, "none")):
+        if value != plain:
+            raise ConfigError(f"{name}: {value!r} is not supported with fault.mode=replica yet (replica "
+                              f"groups are one data-parallel process each); set {name}={plain!r} or "
+                              f"fault.mode=restart")
 
 
 def _validate_fault(f: FaultConfig) -> None:

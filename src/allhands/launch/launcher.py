@@ -37,6 +37,7 @@ from allhands.launch import rendezvous
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
 from allhands.launch.policy import RestartPolicy
+from allhands.launch.replicas import run_replicas
 from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.supervisor import supervise
 from allhands.worker import worker_main
@@ -338,6 +339,10 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
     policy = restart_policy(cfg, spec)
     print(policy.describe(spec.multi_node), file=sys.stderr, flush=True)
+    if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
+        run_replicas(cfg, spec.nproc, spec.multi_node, job, launch=launch, entry=worker_main,
+                     group_spec=dataclasses.replace(spec, nproc=1, port=0, run_id=""), policy=policy)
+        return
     launch(worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=policy,
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))

@@ -1,0 +1,201 @@
+"""Replica mode's per-step quorum: which replica groups train the next step, agreed in the job's
+MAC'd store, the gloo group of that quorum for the cross-group gradient all-reduce, and a step
+that counts only when every member reduced it (otherwise every member discards it).
+
+The shape is torchft's (Manager + Lighthouse, github.com/pytorch/torchft): each replica group is
+its own torch elastic world, and the groups meet per step in a quorum. Here the quorum lives in a
+store (authstore.py: every value MAC'd under a secret only the job holds) instead of a lighthouse
+service, and the all-reduce runs on a ``ProcessGroupGloo`` made for that quorum's id over a
+``PrefixStore``, a new one per membership change.
+
+Keys (all under the store given):
+- ``q/E/m/G``: group G's registration for quorum E (its step and incarnation); ``q/E/members``
+  the decided membership, set once by compare-and-set, so every group reads the same one;
+  ``epoch`` the newest decided quorum.
+- ``life/G``: group G's current incarnation (a fresh token per process start).
+- ``joiners``: a counter a group outside the quorum bumps to be let in. Members read it before
+  each all-reduce and sum it inside that all-reduce, so all of them see the same total and
+  re-form together, at the same step boundary.
+- ``d/E/S``: the decision on step S of quorum E, ``commit`` only if every member wrote
+  ``ok/E/S/G`` (its all-reduce completed), else ``abort``. A gloo ring can complete on one member
+  and fail on another when a third dies mid-ring; the compare-and-set decision makes the outcome
+  one for all (torchft's ``should_commit``).
+
+Who may close a quorum early (after ``timeout_s`` without every group registered): a member of
+the newest quorum, or anyone once every member of it has restarted (a new incarnation: that
+quorum is dead, e.g. every group failed and restarted from its checkpoint), or anyone after
+``dead_s``. A group that is merely joining waits for the live quorum to let it in, so two
+quorums never train side by side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class QuorumFinished(Exception):
+    """The other groups completed the job while this one was joining: nothing left to train."""
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """A decided membership: quorum id, and per member (sorted by group) its step and incarnation."""
+
+    qid: int
+    members: tuple[int, ...]
+    steps: tuple[int, ...]
+    lives: tuple[str, ...]
+    joiners: int  # the joiners counter when it was decided
+
+    def encode(self) -> bytes:
+        return ";".join([str(self.joiners)] + [f"{g}:{s}:{life}" for g, s, life in
+                                               zip(self.members, self.steps, self.lives)]).encode()
+
+    @classmethod
+    def decode(cls, qid: int, raw: bytes) -> "Quorum":
+        head, *items = raw.decode().split(";")
+        parts = [item.split(":") for item in items]
+        return cls(qid, tuple(int(p[0]) for p in parts), tuple(int(p[1]) for p in parts),
+                   tuple(p[2] for p in parts), int(head))
+
+    @property
+    def source(self) -> int:
+        """Index of the member whose state every member takes: the most advanced, lowest group."""
+        best = max(self.steps)
+        return self.steps.index(best)
+
+    def slots(self, group: int, n_groups: int) -> list[int]:
+        """The shares of the global batch this group computes. The global batch is always cut
+        into ``n_groups`` shares (the sampler's ranks); member i of k takes shares i, i+k, ..."""
+        i, k = self.members.index(group), len(self.members)
+        return list(range(i, n_groups, k))
+
+
+class ReplicaQuorum:
+    """One replica group's side of the quorum. ``store`` is the job's MAC'd store (shared by
+    every group), ``group`` this group's index of ``n_groups``."""
+
+    def __init__(self, store: dist.Store, group: int, n_groups: int, *, timeout_s: float,
+                 dead_s: float, pg_timeout_s: float, min_groups: int = 1):
+        self.store, self.group, self.n, self.min_groups = store, group, n_groups, min_groups
+        self.timeout_s, self.dead_s, self.pg_timeout_s = timeout_s, dead_s, pg_timeout_s
+        self.life = secrets.token_hex(6)
+        self.store.set(f"life/{group}", self.life)
+        self.quorum: Quorum | None = None
+        self.pg: dist.ProcessGroup | None = None
+        self.reform = True  # no quorum yet
+
+    # -- forming a quorum
+    def _latest(self) -> Quorum | None:
+        if not self.store.check(["epoch"]):
+            return None
+        e = int(self.store.get("epoch"))
+        return Quorum.decode(e, self.store.get(f"q/{e}/members"))
+
+    def _may_close(self, prev: Quorum | None, waited: float) -> bool:
+        if prev is None or waited >= self.dead_s:
+            return True
+        if self.group in prev.members and prev.lives[prev.members.index(self.group)] == self.life:
+            return True
+        restarted = [self.store.get(f"life/{g}").decode() != life for g, life in zip(prev.members, prev.lives)]
+        return all(restarted)
+
+    def form(self, step: int) -> Quorum:
+        """Register at the next quorum with this group's step; return the decided one, with this
+        group in it (retrying at the next quorum id when it was decided without this group)."""
+        self.pg = None  # the old group's connections close with it
+        while True:
+            prev = self._latest()
+            e = prev.qid + 1 if prev else 1
+            if prev is not None and (self.group not in prev.members or
+                                     prev.lives[prev.members.index(self.group)] != self.life):
+                # Ask the live quorum to re-form with this group; before registering, so a
+                # quorum that includes this group already counts its request.
+                self.store.add("joiners", 1)
+            self.store.set(f"q/{e}/m/{self.group}", f"{step}:{self.life}")
+            start = time.monotonic()
+            while not self.store.check([f"q/{e}/members"]):
+                if self.store.check(["done"]):
+                    raise QuorumFinished()
+                keys = [f"q/{e}/m/{g}" for g in range(self.n)]
+                present = [g for g, k in enumerate(keys) if self.store.check([k])]
+                waited = time.monotonic() - start
+                if len(present) == self.n or (waited >= self.timeout_s and len(present) >= self.min_groups
+                                              and self._may_close(prev, waited)):
+                    self._close(e, present)
+                    break
+                time.sleep(0.01)
+            q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
+            if self.group in q.members and q.lives[q.members.index(self.group)] == self.life:
+                self.quorum, self.reform = q, False
+                self.pg = self._group(q)
+                return q
+
+    def _close(self, e: int, present: list[int]) -> None:
+        joiners = self.store.add("joiners", 0)
+        regs = [self.store.get(f"q/{e}/m/{g}").decode().split(":") for g in present]
+        q = Quorum(e, tuple(present), tuple(int(r[0]) for r in regs), tuple(r[1] for r in regs), joiners)
+        if self.store.compare_set(f"q/{e}/members", "", q.encode()) == q.encode():
+            self.store.set("epoch", str(e))
+        elif not self.store.check(["epoch"]) or int(self.store.get("epoch")) < e:
+            self.store.set("epoch", str(e))  # the winner may have died before it said so
+
+    def _group(self, q: Quorum) -> dist.ProcessGroup:
+        prefix = dist.PrefixStore(f"pg/{q.qid}/", self.store)
+        return dist.ProcessGroupGloo(prefix, q.members.index(self.group), len(q.members),
+                                     datetime.timedelta(seconds=self.pg_timeout_s))
+
+    # -- one step
+    def allreduce(self, grads: list[torch.Tensor], step: int) -> bool:
+        """Sum ``grads`` (each already scaled by this group's share of the global batch) over
+        the quorum, in place. True: every member reduced step ``step`` and it counts; False: it
+        is discarded everywhere and the quorum re-forms before the next try."""
+        q = self.quorum
+        assert q is not None and self.pg is not None
+        joiners = torch.tensor([float(self.store.add("joiners", 0))])
+        flat = _flatten_dense_tensors([g.detach().float() for g in grads] + [joiners])
+        try:
+            self.pg.allreduce([flat]).wait()
+            ok = True
+        except RuntimeError:  # gloo: a peer closed the connection (it died) or timed out
+            ok = False
+        decision = self._decide(q, step, ok)
+        if decision != b"commit":
+            self.reform = True
+            return False
+        *reduced, total = _unflatten_dense_tensors(flat, [g.float() for g in grads] + [joiners])
+        for g, r in zip(grads, reduced):
+            g.copy_(r)
+        # Every member summed the same counters: all of them re-form after this step, or none.
+        if float(total) > len(q.members) * q.joiners:
+            self.reform = True
+        return True
+
+    def _decide(self, q: Quorum, step: int, ok: bool) -> bytes:
+        key, oks = f"d/{q.qid}/{step}", [f"ok/{q.qid}/{step}/{g}" for g in q.members]
+        if ok:
+            self.store.set(oks[q.members.index(self.group)], "1")
+        deadline = time.monotonic() + self.timeout_s
+        verdict = b"abort"
+        while ok and not self.store.check([key]):
+            if self.store.check(oks):
+                verdict = b"commit"
+                break
+            if time.monotonic() > deadline:  # a member never reduced: it died in between
+                break
+            time.sleep(0.001)
+        self.store.compare_set(key, "", verdict)
+        return bytes(self.store.get(key))
+
+    def finish(self, step: int) -> None:
+        """This group completed the job at ``step``: a group still joining stops instead of
+        waiting for a quorum that will not come."""
+        self.store.set("done", str(step))
+        self.pg = None
