@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from allhands.config import Config, validate
 from allhands.env import worker_env
 from allhands.errors import AllhandsError
 from allhands.mesh import Mesh
+from allhands.stopflag import FLAG, CleanStop
 from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
@@ -94,10 +96,17 @@ def worker_main(cfg_dict: dict, job: Any) -> None:
 @contextlib.contextmanager
 def reported_failures():
     """In a launched worker: write torch's error file for any exception, so the launcher's
-    summary names the cause; user-caused errors then exit without a traceback."""
+    summary names the cause; user-caused errors then exit without a traceback. A stop signal
+    ends training cleanly at a step boundary (stopflag.py), with the exit code that says so."""
     _worker_setup()
     try:
-        yield
+        with FLAG.installed():
+            yield
+    except CleanStop as e:
+        if worker_env().launched:  # the launcher says the one line for the whole job
+            sys.exit(e.exit_code)
+        _say_stopped(e)
+        raise KeyboardInterrupt if e.signum == signal.SIGINT else SystemExit(e.exit_code)
     except AllhandsError as e:
         if worker_env().launched:
             _record_error(e)
@@ -107,6 +116,14 @@ def reported_failures():
         if worker_env().launched:
             _record_error(e)
         raise
+
+
+def _say_stopped(e: CleanStop) -> None:
+    """In-process (the Python API without a launcher): the one line of a clean stop."""
+    where = (f"checkpoint {e.checkpoint} is committed" if e.checkpoint
+             else "no checkpoint was committed yet")
+    print(f"allhands: {e}; {where}; continue with allhands.train(..., resume={str(e.run_dir)!r})",
+          file=sys.stderr, flush=True)
 
 
 def _worker_setup() -> None:
