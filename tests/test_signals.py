@@ -221,7 +221,7 @@ def test_sigusr1_checkpoints_and_the_slurm_script_requeues_and_continues(token_d
                                           "fault.inject=0:3:slow=30")))
     env = dict(cli_env, PATH=f"{bin_dir}:{cli_env['PATH']}", SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="node1", SLURM_NNODES="1", NPROC="2", CONFIG=str(config),
-               RUN_DIR=str(run_dir), RDZV_PORT=str(_free_port()), ALLHANDS_SECRET="s",
+               RUN_DIR=str(run_dir), RDZV_PORT=str(_free_port()), ALLHANDS_SECRET="9f" * 16,
                ALLHANDS=str(Path(sys.executable).parent / "allhands"))
     first = subprocess.Popen(["bash", str(SBATCH)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
