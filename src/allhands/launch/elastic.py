@@ -237,6 +237,8 @@ class SupervisedAgent(LocalAgent):
         return result
 
     def _restart_workers(self, worker_group) -> None:
+        if stop.CURRENT.signum:  # a stop signal came while the failed group was being stopped
+            raise stop.Stopped(stop.CURRENT.signum, clean=False)
         d, self._pending = self._pending, None
         before = self._members()
         pids = self._launcher_pids()

@@ -209,6 +209,8 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     with safefs.private_tmp(), safefs.private_umask(), stop.handling():
         try:
             supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
+            if stop.CURRENT.signum:  # the workers ended (the last step, or a signal before they
+                raise stop.Stopped(stop.CURRENT.signum, clean=True)  # could handle it): say so
         except stop.Stopped as s:
             command = stop.resume_command(spec, run_dir) if run_dir is not None else None
             raise Interrupted(stop.final_line(s, run_dir, command), stop.exit_code(s.signum)) from None
