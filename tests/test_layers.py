@@ -15,7 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 # Bottom to top. A module is placed by its longest listed prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore"),
+    ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore",
+     "stopflag"),
     ("data", "models", "metrics", "report", "admission", "jobcheck", "job", "optim", "flops"),
     ("mesh",),
     ("parallel", "sync", "memory", "plan"),

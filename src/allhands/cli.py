@@ -18,7 +18,7 @@ from pathlib import Path
 
 from allhands import __version__
 from allhands.config import load_config, to_toml, validate
-from allhands.errors import AllhandsError, ConfigError
+from allhands.errors import AllhandsError, ConfigError, Interrupted
 
 # Warnings a user of the command cannot act on, filtered here and nowhere else. DCP warns that
 # it loads "in a single process" whenever no process group exists, which is what `export` and
@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message=message, category=category)
     try:
         return args.fn(args)
+    except Interrupted as e:  # a stop on a signal is no error: its own line and exit code
+        print(e, file=sys.stderr)
+        return e.exit_code
     except AllhandsError as e:
         print(f"allhands: error: {e}", file=sys.stderr)
         return e.exit_code

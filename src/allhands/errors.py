@@ -32,6 +32,16 @@ class LaunchError(AllhandsError):
     """The job could not be started or a worker failed."""
 
 
+class Interrupted(LaunchError):
+    """The job stopped on a signal (SIGINT, SIGTERM, SIGUSR1): not a failure. The message is the
+    one line that names the step, the checkpoint and how to resume; the exit code says which
+    signal (130, 143, or 75 for a requeue)."""
+
+    def __init__(self, line: str, exit_code: int):
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
 def first_line(e: BaseException) -> str:
     """'ExcType: first line of its message', short enough for a one-line error."""
     text = str(e).strip().splitlines()

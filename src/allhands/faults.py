@@ -9,7 +9,11 @@ unharmed. The same spec on a fresh run directory replays the same failure.
 
 Kinds:
 - a signal name (``SIGKILL``, ``SIGTERM``, ``SIGSEGV``, ...): the worker sends it to itself after
-  the forward pass, before backward ("mid-step");
+  the forward pass, before backward ("mid-step"); SIGINT, SIGTERM and SIGUSR1 ask for a clean
+  stop at the end of this step (stopflag.py);
+- ``launcher-SIGNAL`` (SIGINT, SIGTERM, SIGUSR1): the worker sends the signal to its launcher
+  after the forward pass and waits until the launcher has forwarded it back, so that the job
+  stops cleanly at the end of exactly this step (how the tests time a Ctrl-C);
 - ``exception`` / ``oom``: raise ``RuntimeError`` / ``torch.OutOfMemoryError`` after forward;
 - ``hang``: sleep forever before the step starts (the hang watchdog must find it);
 - ``nan``: multiply this rank's loss by NaN (the gradients all-reduce to NaN everywhere);
@@ -42,6 +46,7 @@ from pathlib import Path
 import torch
 
 from allhands.errors import AllhandsError, ConfigError
+from allhands.stopflag import FLAG, STOP_SIGNALS
 
 KINDS = ("exception", "oom", "hang", "nan", "ckpt", "flake")
 
@@ -71,7 +76,12 @@ class Fault:
 
     @property
     def signal(self) -> int | None:
-        return getattr(signal, self.kind, None) if self.kind.startswith("SIG") else None
+        name = self.kind[len("launcher-"):] if self.to_launcher else self.kind
+        return getattr(signal, name, None) if name.startswith("SIG") else None
+
+    @property
+    def to_launcher(self) -> bool:
+        return self.kind.startswith("launcher-")
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -84,6 +94,9 @@ def parse_faults(spec: str) -> list[Fault]:
         if kind.startswith("slow="):
             factor = kind[len("slow="):]
             ok = ok and factor.replace(".", "", 1).isdigit() and float(factor) > 1
+        elif kind.lower().startswith("launcher-"):
+            kind = "launcher-" + kind[len("launcher-"):].upper()
+            ok = ok and kind[len("launcher-"):] in {s.name for s in STOP_SIGNALS}
         elif kind.upper().startswith("SIG"):
             kind = kind.upper()
             ok = isinstance(getattr(signal, kind, None), signal.Signals)
@@ -91,7 +104,8 @@ def parse_faults(spec: str) -> list[Fault]:
             ok = kind in KINDS
         if not ok:
             raise ConfigError(f"fault.inject: {item!r} is not RANK:STEP:KIND with STEP >= 1 and KIND "
-                              f"a signal name (SIGKILL, SIGTERM, ...), slow=F with F > 1, or one of "
+                              f"a signal name (SIGKILL, SIGTERM, ...), launcher-SIGINT|SIGTERM|SIGUSR1, slow=F "
+                              f"with F > 1, or one of "
                               f"{', '.join(KINDS)}")
         out.append(Fault(int(parts[1]), int(parts[0]), kind))
     return sorted(out)
@@ -179,8 +193,10 @@ class FaultInjector:
             return loss
         f = self._take(step, ("exception", "oom")) or self._take(step, None)
         if f is not None and f.signal is not None:
-            os.kill(os.getpid(), f.signal)
-            time.sleep(60)  # a catchable signal's default action may take a moment
+            os.kill(os.getppid() if f.to_launcher else os.getpid(), f.signal)
+            # A stop signal comes back (forwarded) or is handled here: the step goes on and the
+            # job stops after it. Another signal's default action may take a moment.
+            FLAG.wait(60) if f.signal in STOP_SIGNALS else time.sleep(60)
         elif f is not None and f.kind == "oom":
             raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} ({f})")
         elif f is not None:

@@ -35,6 +35,7 @@ from allhands.memory import local
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
+from allhands.stopflag import FLAG, CleanStop
 from allhands.sync import build_sync
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
@@ -97,6 +98,8 @@ class Trainer:
             bf16=prec.autocast or prec.param_dtype == torch.bfloat16, threads=torch.get_num_threads(),
             devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier)
         self.flops: StepFlops | None = None
+        self.saved_step = -1  # the step of this process's last save, alike on every rank
+        self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
         self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
 
@@ -132,6 +135,16 @@ class Trainer:
 
     def save(self) -> None:
         self.ckpt.save(self.train_state.step, self.state())
+        self.saved_step = self.train_state.step
+
+    def _stop_cleanly(self, signum: int) -> None:
+        """Every rank stopped after the same step: commit its checkpoint (unless the cadence just
+        saved it), let the save finish, and raise CleanStop for the worker to exit with."""
+        if self.saved_step != self.train_state.step:
+            self.save()
+        self.ckpt.wait()  # collective: the save in flight is committed or given up on every rank
+        latest = self.ckpt.latest()
+        raise CleanStop(signum, latest[0] if latest else 0, latest[1] if latest else None, self.run_dir)
 
     # -- the loop
     def _to_device(self, batch):
@@ -181,11 +194,17 @@ class Trainer:
         gnorm = self.layout.clip(self.cfg.optim.grad_clip)
         # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
         # Every rank decides alike (one all_reduce), whatever the sync strategy did to the grads.
-        bad = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0],
-                           device=self.mesh.device)
+        # The same all_reduce carries the stop request (stopflag.py): a rank that got a stop signal
+        # before this point makes every rank stop after this step, and the largest signal number
+        # (SIGTERM over SIGUSR1 over SIGINT) says how, alike on every rank.
+        flags = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0,
+                              float(FLAG.signum)], device=self.mesh.device)
         if self.strategy.lockstep:  # an asynchronous worker decides alone
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self.last_action = self.guard.check(not bool(bad.item()), step + 1)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stop = flags.tolist()
+        if self.strategy.lockstep:
+            self.stop_signal = int(stop)
+        self.last_action = self.guard.check(not bad, step + 1)
         self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":
             self.optimizer.step()
@@ -293,6 +312,11 @@ class Trainer:
                                      "checkpoint_interval": cadence.interval, **cadence.inputs})
                 self.ckpt.poll()
                 self._report_checkpoint_warnings(metrics)
+                if not self.strategy.lockstep and ts.step % cfg.log.interval == 0:
+                    # an asynchronous worker agrees where it already meets its peers (the log)
+                    self.stop_signal = _agreed_max(FLAG.signum, mesh.device)
+                if self.stop_signal and not last:
+                    self._stop_cleanly(self.stop_signal)
             failures = self.ckpt.failures
             self.ckpt.wait()
             self._report_checkpoint_warnings(metrics)
@@ -336,3 +360,9 @@ class Trainer:
         metrics.message(f"allhands: warning: non-finite loss or gradient at step {bad_step}; rolled "
                         f"back to step {ts.step} (rollback {self.rollbacks})")
         return True
+
+
+def _agreed_max(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from allhands.errors import LaunchError
 from allhands.heartbeat import clear_heartbeats, progressed, take_hangs
+from allhands.launch import stop
 from allhands.launch.policy import Decision, RestartPolicy, WorkerFailure, say
 
 # gloo's words for a peer that went away: "[.../pair.cc:553] Connection closed by peer
@@ -179,6 +181,12 @@ class LocalAgent(LocalElasticAgent):
                     local_rank=w.local_rank, pid=pid, exitcode=code,
                     error_file=self._pcontext.error_files[w.local_rank])
 
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Workers take SIGTERM as a request for a clean stop at the next step (stopflag.py); when
+        # the agent stops them (a failed peer, a restart) they must go at once, as they did on
+        # SIGTERM before they handled it.
+        super()._shutdown(signal.SIGKILL, timeout)
+
     def _monitor_workers(self, worker_group):
         exits = self._settle_local_exits()
         result = super()._monitor_workers(worker_group)
@@ -223,6 +231,10 @@ class SupervisedAgent(LocalAgent):
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and \
+                stop.CURRENT.outcome(result.failures) is not None:
+            self._remaining_restarts = 0  # a stop signal: no restart; run_agent says it (stop.py)
+            return result
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._pending is None:
             first_rank = first_failure(result.failures)
             summary = describe_failures(result.failures, first_rank, self.node, self._members()) \
@@ -239,6 +251,8 @@ class SupervisedAgent(LocalAgent):
         return result
 
     def _restart_workers(self, worker_group) -> None:
+        if stop.CURRENT.signum:  # a stop signal came while the failed group was being stopped
+            raise stop.Stopped(stop.CURRENT.signum, clean=False)
         d, self._pending = self._pending, None
         before = self._members()
         pids = self._launcher_pids()
@@ -282,8 +296,12 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
                                 node=node, node_timeout_s=node_timeout_s, logs_specs=logs_specs,
                                 start_method="spawn")
     shutdown = True
+    stop.CURRENT.workers = lambda: agent._pcontext.pids().values() if agent._pcontext else ()
     try:
         result = agent.run()
+        stopped = stop.CURRENT.outcome(result.failures) if result is not None and result.is_failed() else None
+        if stopped is not None:
+            raise stopped
         if result is None:  # torch: the rendezvous was closed while this node was redundant
             raise LaunchError(f"node {node}: the job ended while this node waited to join")
         if result.is_failed():
@@ -293,7 +311,7 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
             raise WorkerFailure(describe_failures(result.failures, first_failure(result.failures), node,
                                                   single_node=policy is None))
         return result.return_values
-    except SignalException:
+    except (SignalException, stop.Stopped):
         shutdown = False  # as launch_agent: a signalled agent leaves the rendezvous open
         raise
     except RendezvousClosedError:
@@ -316,6 +334,7 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
     except RendezvousError as e:
         raise LaunchError(f"node {node}: rendezvous failed: {type(e).__name__}: {e}") from None
     finally:
+        stop.CURRENT.workers = None
         if shutdown:
             try:
                 spec.rdzv_handler.shutdown()

@@ -32,8 +32,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from allhands import admission, safefs
 from allhands.authstore import IntrusionError
 from allhands.config import Config, validate
-from allhands.errors import ConfigError, LaunchError
-from allhands.launch import rendezvous
+from allhands.errors import ConfigError, Interrupted, LaunchError
+from allhands.launch import rendezvous, stop
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
 from allhands.launch.policy import RestartPolicy
@@ -171,9 +171,9 @@ def _check_security_args(s: LaunchSpec) -> None:
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     """Environment the workers inherit; set here so that users never have to."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    # What torch's launch_agent sets (elastic.run_agent stands in for it): the agent turns these
-    # signals into a clean stop of its workers.
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    # torch's agent turns these signals into SignalException and a SIGTERM of its workers; SIGINT,
+    # SIGTERM and SIGUSR1 are the launcher's own, a clean stop at a step boundary (stop.py).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
     # These two log each worker failure with a traceback of the *agent*; describe_failures()
     # says the same in one line with the worker's own cause.
@@ -203,7 +203,8 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker, under
     supervision (supervisor.py, policy.py): failures are named as they happen and restarted per ``policy``.
 
-    Raises LaunchError with one line per failed rank when the job fails for good.
+    Raises LaunchError with one line per failed rank when the job fails for good, and
+    Interrupted with one line when SIGINT, SIGTERM or SIGUSR1 stopped it (stop.py).
     """
     spec = spec.validated()
     warning = oversubscribed(spec.nproc, usable_cores())
@@ -227,8 +228,14 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     # Every temporary file of the launcher, torch's spawner (the pickled traceback of a failed
     # worker it reads back) and the workers goes to a directory only this user can enter, and
     # everything the job writes is the user's alone (safefs.py).
-    with safefs.private_tmp(), safefs.private_umask():
-        supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
+    with safefs.private_tmp(), safefs.private_umask(), stop.handling():
+        try:
+            supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node)
+            if stop.CURRENT.signum:  # the workers ended (the last step, or a signal before they
+                raise stop.Stopped(stop.CURRENT.signum, clean=True)  # could handle it): say so
+        except stop.Stopped as s:
+            command = stop.resume_command(spec, run_dir) if run_dir is not None else None
+            raise Interrupted(stop.final_line(s, run_dir, command), stop.exit_code(s.signum)) from None
 
 
 def _launch_once(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *,
