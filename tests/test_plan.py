@@ -76,7 +76,7 @@ def _calibration(**costs: float) -> dict:
     cal = {op: [0.0, 0.0] for op in ("allreduce", "allgather", "reducescatter", "broadcast", "sendrecv")}
     cal.update({k: 0.0 for k in ("fsdp_unit_zero2", "fsdp_unit_zero3", "fsdp_step_zero2", "fsdp_step_zero3", "tp_step", "dtensor_update_tensor", "ddp_step", "ddp_half",
                                  "tp_module", "pp_microbatch", "step_fixed", "step_per_block",
-                                 "step_per_param", "runtime")}, contention=1.0)
+                                 "step_per_param", "runtime", "zero1_update_tensor")}, contention=1.0)
     cal.update(costs)
     return cal
 

@@ -7,7 +7,8 @@ model is made of, never the step of the layout it predicts.
   fastest of many calls: Hockney's alpha-beta model); what DDP, FSDP2 (ZeRO-2 and 3) and
   sequence-parallel TP add to a forward + backward over the same plain modules (their hooks,
   DTensor dispatch and small collectives), per step and per unit (two stack depths), what
-  clipping and AdamW cost more per DTensor parameter, 1F1B's cost per microbatch beyond its
+  clipping and AdamW cost more per DTensor parameter and ZeRO-1's optimizer (its per-parameter
+  broadcasts) per parameter, 1F1B's cost per microbatch beyond its
   compute, and how much slower the same eager work runs with ``nproc`` workers sharing the
   cores than alone (``contention``). Each framework cost is timed alternately with its plain
   counterpart, so that the load of other processes drifts out of the difference.
@@ -106,6 +107,7 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
@@ -161,8 +163,16 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
             return time.perf_counter() - t0
 
         dist.barrier()
-        pairs = [(update(1), update(0)) for _ in range(30)][5:]
-        out["dtensor_update_tensor"] = max(0.0, min(p[0] for p in pairs) - min(p[1] for p in pairs)) / len(params[1])
+        # ZeRO-1 (parallel/zero1.py): the owner's AdamW, then every parameter broadcast from its
+        # owner, one call each; its cost beyond plain AdamW over the same tensors, per tensor
+        zeroed = nn.Sequential(*[_Half() for _ in range(SPANS[0])])
+        params.append(list(zeroed.parameters()))
+        optims.append(ZeroRedundancyOptimizer(params[2], optimizer_class=torch.optim.AdamW,
+                                              parameters_as_bucket_view=False))
+        triples = [(update(1), update(2), update(0)) for _ in range(30)][5:]
+        best = [min(t[i] for t in triples) for i in range(3)]
+        out["dtensor_update_tensor"] = max(0.0, best[0] - best[2]) / len(params[1])
+        out["zero1_update_tensor"] = max(0.0, best[1] - best[2]) / len(params[2])
         out.update(_pipeline_probe(rank, x))
         def ddp(seq: nn.Sequential) -> DistributedDataParallel:
             # with the allreduce strategy's metered Python comm hook, as sync/allreduce.py wraps
