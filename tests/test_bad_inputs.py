@@ -78,7 +78,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-SUBCOMMANDS = ("train", "drill", "launch", "rendezvous-store", "config", "show", "prepare", "export",
+SUBCOMMANDS = ("train", "drill", "launch", "rendezvous-store", "config", "show", "prepare", "export", "plan",
                "report")
 T = ["--set", "log.progress=false", "--set", "data.path={tokens}"]  # nothing heavy before the error
 NEW = "{base}/never"  # a run.dir / --out that a failed command must not create
@@ -161,6 +161,11 @@ CLI = [
     (["export", "{finished}", "--out", "{ro}/m.safetensors"], 2, "Read-only file system"),
     (["export", "{finished}", "--out", "{afile}/m.safetensors"], 2, "is a file, not a directory"),
     (["export", "{finished}"], 2, "the following arguments are required: --out"),
+    (["plan", "--model", "nocolon"], 2, "--model: 'nocolon' is not MODULE:BUILDER"),
+    (["plan", "--model", "nosuch_module_q:build"], 2, "--model: cannot import 'nosuch_module_q'"),
+    (["plan", "--model", "json:nosuch"], 2, "--model: json has no function 'nosuch'"),
+    (["plan", "--model", "json:loads"], 2, "--model: building it on the meta device failed: TypeError"),
+    (["plan", "--model", "json:loads", "--check"], 2, "--check trains the reference GPT's layouts"),
     (["report", "{base}/nope"], 2, "not found"),
     (["report", "{emptydir}"], 2, "not found"),
     (["report", "{badmetrics}"], 2, "line 1 is not JSON"),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from allhands.config import Config, apply_override
-from allhands.flops import accelerator_peak, count_flops, cpu_gemm_peak, gpt_flops_per_token
+from allhands.flops import (StepFlops, accelerator_peak, count_flops, cpu_gemm_peak, gpt_flops_per_token,
+                            raise_cpu_gemm_peak)
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.trainer import build_reference_model, lm_loss
 
@@ -48,6 +49,34 @@ def test_cpu_gemm_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert peak > 1e8  # any CPU of this century does > 0.1 GFLOP/s in one thread
     assert (tmp_path / "gemm_peak.json").is_file()
     assert cpu_gemm_peak(1, measure=False) == peak == cpu_gemm_peak(1)
+
+
+def test_a_step_above_the_cached_peak_raises_it_and_mfu_never_exceeds_1(tmp_path, monkeypatch):
+    """A peak cached under load (here far too low) is measured again once a run beats it; the cache
+    keeps the maximum, and MFU stays <= 1 (clamped, with the raw value, where nothing can raise it)."""
+    monkeypatch.setenv("ALLHANDS_CACHE_DIR", str(tmp_path))
+    (tmp_path / "gemm_peak.json").write_text("{}")
+    low = 1e6
+    assert raise_cpu_gemm_peak(1, "fp32", low) > 1e8  # a real measurement, cached
+    cache = tmp_path / "gemm_peak.json"
+    table = json.loads(cache.read_text())
+    real = next(iter(table.values()))
+    table = {k: low for k in table}  # as if measured under heavy load
+    cache.write_text(json.dumps(table))
+    assert cpu_gemm_peak(1) == low
+    calls = []
+    flops = StepFlops(per_step=int(4e6), peak=low, devices=2,
+                      raise_peak=lambda a: calls.append(a) or raise_cpu_gemm_peak(1, "fp32", a))
+    got = flops.fields(1.0)  # 2e6 FLOP/s per worker: twice the cached peak
+    assert calls == [2e6] and got["peak_raised"] == flops.peak > 0.1 * real
+    assert got["mfu"] == pytest.approx(2e6 / flops.peak) and got["mfu"] <= 1
+    assert cpu_gemm_peak(1) == flops.peak  # cached
+    raise_cpu_gemm_peak(1, "fp32", 1.0)  # a lower measurement never lowers the cache
+    assert cpu_gemm_peak(1) >= flops.peak
+    assert "peak_raised" not in flops.fields(1.0)  # once per run
+    gpu = StepFlops(per_step=int(3e12), peak=1e12, devices=1)  # a datasheet peak: nothing to raise
+    clamped = gpu.fields(1.0)
+    assert clamped["mfu"] == 1.0 and clamped["mfu_clamped"] == pytest.approx(3.0)
 
 
 def test_mfu_appears_in_metrics(token_dir, tmp_path, monkeypatch):

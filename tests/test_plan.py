@@ -48,7 +48,10 @@ def test_more_memory_saving_layouts_predict_less_state():
 def test_plan_memory_matches_measured_state(token_dir, tmp_path):
     cfg = tiny_config(token_dir, tmp_path / "unused")
     cluster = parse_cluster("local", 2)
-    wanted = {Layout(2, 1, 1, 1, 0), Layout(1, 2, 1, 1, 1), Layout(1, 2, 1, 1, 3), Layout(1, 1, 2, 1, 0),
+    # one layout per state formula that differs: a ZeRO-1 optimizer shard, ZeRO-3's everything
+    # sharded, tp's sharded matrices, a pipeline stage's blocks (DDP's full copy is the trainer's
+    # own ZeRO-0 log line, checked by every run)
+    wanted = {Layout(1, 2, 1, 1, 1), Layout(1, 2, 1, 1, 3), Layout(1, 1, 2, 1, 0),
               Layout(1, 1, 1, 2, 0, microbatches=2)}
     estimates = [e for e in plan(cfg, cluster, compile_options=(False,), ac_options=("none",))
                  if e.layout in wanted]
@@ -73,7 +76,7 @@ def _calibration(**costs: float) -> dict:
     cal = {op: [0.0, 0.0] for op in ("allreduce", "allgather", "reducescatter", "broadcast", "sendrecv")}
     cal.update({k: 0.0 for k in ("fsdp_unit_zero2", "fsdp_unit_zero3", "fsdp_step_zero2", "fsdp_step_zero3", "tp_step", "dtensor_update_tensor", "ddp_step", "ddp_half",
                                  "tp_module", "pp_microbatch", "step_fixed", "step_per_block",
-                                 "step_per_param", "runtime")}, contention=1.0)
+                                 "step_per_param", "runtime", "zero1_update_tensor")}, contention=1.0)
     cal.update(costs)
     return cal
 
@@ -95,3 +98,17 @@ def test_local_step_is_composed_from_the_calibration():
         pp = local_step(cfg, Layout(1, 1, 1, 2, 0, microbatches=m), cal, **{**shape, "blocks": [1, 1],
                         "numel": [1, 1], "tensors": [1, 1]})
         assert pp["bubble"] / pp["compute"] == pytest.approx(1 / m)
+
+
+
+def test_a_calibration_made_with_another_statistic_is_measured_again(tmp_path, monkeypatch):
+    """The cache keeps the statistic its figures were taken with (the fastest repetition); one
+    made before, with medians that other processes' load inflated, is not used."""
+    from allhands.plan.localtime import STATISTIC, cached_calibration, calibration_key
+
+    monkeypatch.setenv("ALLHANDS_CACHE_DIR", str(tmp_path))
+    cal = _calibration()
+    (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
+    assert cached_calibration(2) is None
+    (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): {**cal, "statistic": STATISTIC}}))
+    assert cached_calibration(2) == {**cal, "statistic": STATISTIC}

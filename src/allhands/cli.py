@@ -220,11 +220,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from allhands.plan import parse_cluster, plan
     from allhands.plan.search import format_plan, to_row
+    from allhands.plan.usermodel import plan_command
 
     cfg = load_config(args.config, args.set)
     validate(cfg, need_data=False)
     if args.nproc < 1 or args.top < 1 or args.tokens < 0:
         raise ConfigError("--nproc and --top must be >= 1 and --tokens >= 0")
+    if args.model and args.check:
+        raise ConfigError("--check trains the reference GPT's layouts; drop --model, or train the "
+                          "chosen layout of your model with the Python API")
+    if args.model:  # a user's model, measured on the meta device: data-parallel layouts
+        print(plan_command(cfg, args.model, args.input, parse_cluster(args.cluster, args.nproc),
+                           top=args.top, as_json=args.json))
+        return 0
     if args.cluster.partition(",")[0].partition(":")[0] == "local":
         from allhands.plan.calibrate import calibrate
         from allhands.plan.localtime import cached_calibration, calibration_path
@@ -246,10 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     cluster = parse_cluster(args.cluster, args.nproc)
     estimates = plan(cfg, cluster)
-    if args.json:
-        print(json.dumps({"cluster": vars(cluster), "layouts": [to_row(e, args.tokens) for e in estimates]}))
-    else:
-        print(format_plan(estimates, cluster, top=args.top, tokens=args.tokens))
+    print(json.dumps({"cluster": vars(cluster), "layouts": [to_row(e, args.tokens) for e in estimates]})
+          if args.json else format_plan(estimates, cluster, top=args.top, tokens=args.tokens))
     return 0
 
 
@@ -342,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--check", action="store_true",
                     help="train each layout that fits this machine a few steps; predicted vs measured")
     pl.add_argument("--steps", type=int, default=6, help="steps per layout under --check (default 6)")
+    pl.add_argument("--model", default="", metavar="MODULE:BUILDER",
+                    help="your model: a function (config) -> nn.Module (data-parallel layouts)")
+    pl.add_argument("--input", default="", metavar="SHAPE[:DTYPE]",
+                    help="one sample for --model, e.g. 3x32x32 or 128:int64 (default: token ids)")
     pl.set_defaults(fn=cmd_plan)
 
     r = sub.add_parser("report", help="draw PNG plots of a run")

@@ -10,6 +10,7 @@ reference GPT it equals the analytic ``6 N + 12 L C T`` per token (:func:`gpt_fl
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -71,19 +72,24 @@ def measure_gemm_peak(threads: int, dtype: torch.dtype = torch.float32, n: int =
         torch.set_num_threads(before)
 
 
-def cpu_gemm_peak(threads: int, dtype: str = "fp32", *, measure: bool = True) -> float | None:
-    """The measured CPU GEMM peak for ``threads`` threads, cached per machine (CPU model), thread
-    count, dtype and torch version in ``cache_dir()/gemm_peak.json``; None when not cached and
-    ``measure`` is False."""
-    path = cache_dir() / "gemm_peak.json"
-    key = f"{_cpu_name()}|threads={threads}|{dtype}|torch {torch.__version__}"
+def _peak_key(threads: int, dtype: str) -> str:
+    return f"{_cpu_name()}|threads={threads}|{dtype}|torch {torch.__version__}"
+
+
+def _read_peaks() -> dict[str, float]:
     try:
-        cached = json.loads(path.read_text())
+        return json.loads((cache_dir() / "gemm_peak.json").read_text())
     except (OSError, ValueError):
-        cached = {}
-    if key in cached or not measure:
-        return cached.get(key)
-    cached[key] = measure_gemm_peak(threads, torch.bfloat16 if dtype == "bf16" else torch.float32)
+        return {}
+
+
+def _keep_peak(key: str, value: float) -> float:
+    """Store the larger of ``value`` and the cached figure (re-read just before writing: another
+    job may have raised it) and return it. A measurement under load only reads low (other
+    processes take cycles, never give them), so the maximum is the best estimate of the peak."""
+    path = cache_dir() / "gemm_peak.json"
+    cached = _read_peaks()
+    cached[key] = max(value, cached.get(key, 0.0))
     try:  # written beside and renamed: concurrent jobs never read half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}")
@@ -92,6 +98,26 @@ def cpu_gemm_peak(threads: int, dtype: str = "fp32", *, measure: bool = True) ->
     except OSError:  # a read-only home: measured again next time
         pass
     return cached[key]
+
+
+def cpu_gemm_peak(threads: int, dtype: str = "fp32", *, measure: bool = True) -> float | None:
+    """The measured CPU GEMM peak for ``threads`` threads, cached per machine (CPU model), thread
+    count, dtype and torch version in ``cache_dir()/gemm_peak.json``; None when not cached and
+    ``measure`` is False."""
+    key = _peak_key(threads, dtype)
+    cached = _read_peaks().get(key)
+    if cached is not None or not measure:
+        return cached
+    return _keep_peak(key, measure_gemm_peak(threads, torch.bfloat16 if dtype == "bf16" else torch.float32))
+
+
+def raise_cpu_gemm_peak(threads: int, dtype: str, achieved: float) -> float:
+    """A run reached ``achieved`` FLOP/s per worker, above the cached peak: that peak was measured
+    under load. Measure again and keep the maximum of the cached figure, the new measurement and
+    ``achieved`` itself (the model's matmuls ran that fast on these cores, so the peak is at least
+    that): the cache only ever rises, and MFU stays at or below 1."""
+    measured = measure_gemm_peak(threads, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    return _keep_peak(_peak_key(threads, dtype), max(measured, achieved))
 
 
 def peak_flops(device: torch.device, dtype: str, threads: int) -> tuple[float | None, str]:
@@ -139,12 +165,25 @@ class StepFlops:
     peak: float | None  # of one device
     devices: int
     peak_source: str = ""
+    # CPU, the node's leader: called once with the achieved FLOP/s per worker when that exceeds
+    # ``peak``; returns the raised peak (raise_cpu_gemm_peak)
+    raise_peak: Callable[[float], float] | None = None
 
     def fields(self, step_time: float) -> dict[str, Any]:
         achieved = self.per_step / max(step_time, 1e-12)
         out: dict[str, Any] = {"flops_per_step": self.per_step, "achieved_flops": achieved}
-        if self.peak:
-            out["mfu"] = achieved / (self.peak * self.devices)
+        if not self.peak:
+            return out
+        per_device = achieved / self.devices
+        if per_device > self.peak and self.raise_peak is not None:
+            self.peak, self.raise_peak = self.raise_peak(per_device), None
+            self.peak_source += ", raised: a step ran above the cached peak"
+            out["peak_raised"] = self.peak
+        mfu = per_device / self.peak
+        if mfu > 1.0:  # a datasheet peak or another worker's cache: never report above the hardware
+            out["mfu_clamped"] = mfu
+            mfu = 1.0
+        out["mfu"] = mfu
         return out
 
     def describe(self) -> str:
@@ -171,4 +210,7 @@ class StepFlops:
                 per_sample = count_flops(build, x, y, loss_fn)
         except (RuntimeError, NotImplementedError, TypeError):  # a user model that needs real data
             return None
-        return cls(per_step=per_sample * global_batch, peak=peak, devices=devices, peak_source=source)
+        raise_peak = functools.partial(raise_cpu_gemm_peak, threads, dtype) \
+            if device.type == "cpu" and leader else None
+        return cls(per_step=per_sample * global_batch, peak=peak, devices=devices, peak_source=source,
+                   raise_peak=raise_peak)

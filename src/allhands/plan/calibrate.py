@@ -4,13 +4,19 @@ model is made of, never the step of the layout it predicts.
 
 - A probe of ``nproc`` gloo processes on loopback: latency ``alpha`` and seconds per byte ``beta``
   of all-reduce, all-gather, reduce-scatter, broadcast and send/recv (two payload sizes, the
-  median of many calls: Hockney's alpha-beta model); what DDP, FSDP2 (ZeRO-2 and 3) and
+  fastest of many calls: Hockney's alpha-beta model); what DDP, FSDP2 (ZeRO-2 and 3) and
   sequence-parallel TP add to a forward + backward over the same plain modules (their hooks,
   DTensor dispatch and small collectives), per step and per unit (two stack depths), what
-  clipping and AdamW cost more per DTensor parameter, 1F1B's cost per microbatch beyond its
+  clipping and AdamW cost more per DTensor parameter and ZeRO-1's optimizer (its per-parameter
+  broadcasts) per parameter, 1F1B's cost per microbatch beyond its
   compute, and how much slower the same eager work runs with ``nproc`` workers sharing the
   cores than alone (``contention``). Each framework cost is timed alternately with its plain
   counterpart, so that the load of other processes drifts out of the difference.
+
+Every figure is the fastest of its repetitions, not their median: on a machine shared with other
+jobs, other processes only ever add time to a repetition (a descheduled rank stalls its peers'
+collectives for a whole time slice), so the minimum estimates the cost itself and is the one
+statistic that repeats from run to run (timeit's advice); plan.check measures the best step alike.
 - Three 1-process training runs of the reference GPT at different depth and width, through the
   real launcher: what a step costs beyond its matmuls (the GEMM time is modelled from the measured
   rate at each shape, localtime.py), fitted as ``fixed + per_block * blocks + per_param * params``
@@ -29,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from allhands.plan.localtime import calibration_key, calibration_path, cached_calibration
+from allhands.plan.localtime import STATISTIC, cached_calibration, calibration_key, calibration_path
 
 SIZES = (64, 2 ** 18)  # float32 elements: latency-bound and bandwidth-bound payloads
 REPS = 40
 
 
-def _median_time(fn, reps: int = REPS) -> float:
+def _best_time(fn, reps: int = REPS) -> float:
     for _ in range(5):
         fn()
     times = []
@@ -43,7 +49,7 @@ def _median_time(fn, reps: int = REPS) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _alpha_beta(t_small: float, t_large: float, b_small: float, b_large: float) -> list[float]:
@@ -67,20 +73,21 @@ class _Half(torch.nn.Module):
 
 def _extra(wrapped, n: int, x: torch.Tensor, barrier, *, full: torch.Tensor | None = None,
            reps: int = 40) -> float:
-    """Median extra seconds of a forward + backward of ``wrapped`` (DDP, FSDP2 or TP around
-    ``n`` halves) over ``n`` plain halves, timed alternately so that load drifts cancel."""
+    """Extra seconds of a forward + backward of ``wrapped`` (DDP, FSDP2 or TP around ``n``
+    halves) over ``n`` plain halves: the fastest of each, timed alternately."""
     plain = torch.nn.Sequential(*[_Half() for _ in range(n)])
     full = x if full is None else full
     barrier()
-    diffs = []
+    ours, theirs = [], []
     for i in range(reps + 5):
         t0 = time.perf_counter()
         wrapped(x).sum().backward()
         t1 = time.perf_counter()
         plain(full).sum().backward()
         if i >= 5:
-            diffs.append((t1 - t0) - (time.perf_counter() - t1))
-    return max(0.0, statistics.median(diffs))
+            ours.append(t1 - t0)
+            theirs.append(time.perf_counter() - t1)
+    return max(0.0, min(ours) - min(theirs))
 
 
 def _fit(wrap, x: torch.Tensor, barrier, **kw) -> tuple[float, float]:
@@ -100,6 +107,7 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
@@ -126,11 +134,11 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
                       "sendrecv": lambda: (dist.send(x, peer), dist.recv(rbuf, peer)) if rank == 0
                       else (dist.recv(rbuf, peer), dist.send(x, peer)) if rank == 1 else None}[name]
                 dist.barrier()
-                points.append(_median_time(op) / (2 if name == "sendrecv" else 1))
+                points.append(_best_time(op) / (2 if name == "sendrecv" else 1))
             out[name] = _alpha_beta(points[0], points[1], 4.0 * SIZES[0], 4.0 * SIZES[1])
         mesh = init_device_mesh("cpu", (world,))
         x = torch.ones(8, 16, 16)
-        out["plain_pass"] = _median_time(lambda: _Half()(x).sum().backward(), 60)
+        out["plain_pass"] = _best_time(lambda: _Half()(x).sum().backward(), 60)
         for zero, reshard in ((2, False), (3, True)):  # FSDP2: one unit per block and the root
             def shard(seq: nn.Sequential, reshard: bool = reshard) -> nn.Sequential:
                 for layer in seq:
@@ -145,7 +153,7 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
         params = [list(plain.parameters()), list(sharded.parameters())]
         optims = [torch.optim.AdamW(p) for p in params]
 
-        def update(i: int) -> float:
+        def update(i: int) -> float:  # seconds of one update of the plain (0) or DTensor (1) parameters
             for q in params[i]:
                 q.grad = torch.ones_like(q)
             t0 = time.perf_counter()
@@ -155,8 +163,16 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
             return time.perf_counter() - t0
 
         dist.barrier()
-        diffs = [update(1) - update(0) for _ in range(30)][5:]
-        out["dtensor_update_tensor"] = max(0.0, statistics.median(diffs)) / len(params[1])
+        # ZeRO-1 (parallel/zero1.py): the owner's AdamW, then every parameter broadcast from its
+        # owner, one call each; its cost beyond plain AdamW over the same tensors, per tensor
+        zeroed = nn.Sequential(*[_Half() for _ in range(SPANS[0])])
+        params.append(list(zeroed.parameters()))
+        optims.append(ZeroRedundancyOptimizer(params[2], optimizer_class=torch.optim.AdamW,
+                                              parameters_as_bucket_view=False))
+        triples = [(update(1), update(2), update(0)) for _ in range(30)][5:]
+        best = [min(t[i] for t in triples) for i in range(3)]
+        out["dtensor_update_tensor"] = max(0.0, best[0] - best[2]) / len(params[1])
+        out["zero1_update_tensor"] = max(0.0, best[1] - best[2]) / len(params[2])
         out.update(_pipeline_probe(rank, x))
         def ddp(seq: nn.Sequential) -> DistributedDataParallel:
             # with the allreduce strategy's metered Python comm hook, as sync/allreduce.py wraps
@@ -204,19 +220,16 @@ def _pipeline_probe(rank: int, x: torch.Tensor) -> dict:
         batch, target = torch.cat([x] * m), torch.zeros(len(x) * m)
         runs[m] = lambda sched=sched, batch=batch, target=target: (
             sched.step(batch) if rank == 0 else sched.step(target=target))
-    slopes = []
-    for i in range(25):  # the three timed alternately, so that load drifts cancel
-        t0 = time.perf_counter()
-        runs[2]()
-        t1 = time.perf_counter()
-        runs[6]()
-        t2 = time.perf_counter()
-        plain(x).sum().backward()
-        t3 = time.perf_counter()
-        if i >= 3:  # 1F1B takes (m + p - 1) stage-microbatch times: the slope in m is one
-            slopes.append(((t2 - t1) - (t1 - t0)) / 4 - (t3 - t2))
+    best = {2: float("inf"), 6: float("inf"), "plain": float("inf")}
+    for i in range(25):  # the three timed alternately, the fastest of each kept
+        for key, fn in ((2, runs[2]), (6, runs[6]), ("plain", lambda: plain(x).sum().backward())):
+            t0 = time.perf_counter()
+            fn()
+            if i >= 3:
+                best[key] = min(best[key], time.perf_counter() - t0)
     dist.barrier()
-    return {"pp_microbatch": max(0.0, statistics.median(slopes))}
+    # 1F1B takes (m + p - 1) stage-microbatch times: the slope in m is one
+    return {"pp_microbatch": max(0.0, (best[6] - best[2]) / 4 - best["plain"])}
 
 
 def probe_comm(nproc: int) -> dict:
@@ -226,7 +239,7 @@ def probe_comm(nproc: int) -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     x = torch.ones(8, 16, 16)
-    alone = _median_time(lambda: _Half()(x).sum().backward(), 60)
+    alone = _best_time(lambda: _Half()(x).sum().backward(), 60)
     torch.set_num_threads(before)
     with tempfile.TemporaryDirectory(prefix="allhands-probe-") as tmp:
         out = Path(tmp) / "probe.json"
@@ -237,39 +250,75 @@ def probe_comm(nproc: int) -> dict:
     return got
 
 
-# The 1-process runs: (n_layer, n_embd); depth and width vary apart so the fit can tell eager-op
-# cost per block from per-parameter cost.
+# The reference GPTs timed: (n_layer, n_embd); depth and width vary apart, so that eager-op cost
+# per block and per-parameter cost come from separate differences.
 STEP_RUNS = ((2, 32), (4, 32), (2, 128))
 
 
+def _gpt_costs(n_layer: int, n_embd: int, threads: int, reps: int = 30) -> tuple[float, float, int]:
+    """(seconds of a forward + backward of 12 sequences of 16 tokens, seconds of clipping + AdamW
+    + zero_grad, parameters) of a reference GPT in this process: the fastest of ``reps``, each
+    timed alternately with the other."""
+    from allhands.job import lm_loss
+    from allhands.models import GPT, GPTConfig
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = GPT(GPTConfig(vocab_size=257, seq_len=16, n_layer=n_layer, n_head=2, n_embd=n_embd,
+                              bias=False))
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params)
+        x = torch.randint(0, 257, (12, 16))
+        best = [float("inf"), float("inf")]
+        for i in range(reps + 3):
+            t0 = time.perf_counter()
+            lm_loss(model(x), x).backward()
+            t1 = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= 3:
+                best = [min(best[0], t1 - t0), min(best[1], time.perf_counter() - t1)]
+        return best[0], best[1], sum(p.numel() for p in params)
+    finally:
+        torch.set_num_threads(before)
+
+
 def probe_steps(nproc: int, steps: int = 8) -> dict:
-    """Train the three reference GPTs on 1 worker through the launcher; fit the step's cost
-    beyond its modelled matmuls and the worker's resident set beyond its modelled tensors."""
+    """What a step costs beyond its modelled matmuls: eager ops per block and the update per
+    parameter from the reference GPTs timed in this process (the fastest of many: robust to
+    load), and the trainer's own per-step cost as the least that three 1-worker training runs
+    through the launcher leave over; the worker's resident set beyond its modelled tensors."""
     from allhands.config import Config, apply_override
     from allhands.plan.check import QUIET, run_layout
     from allhands.plan.cluster import local_cluster
     from allhands.plan.estimate import Layout, estimate
     from allhands.plan.localtime import gemm_seconds
 
-    rows, runtime = [], []
-    cluster = local_cluster(1, calibrated=False)
     threads = max(1, (os.cpu_count() or 1) // nproc)  # as each of the nproc workers will run
+    cfgs = []
+    for n_layer, n_embd in STEP_RUNS:
+        cfg = Config()
+        for item in ("model.bias=false", f"model.n_layer={n_layer}", "model.n_head=2", f"model.n_embd={n_embd}",
+                     "model.seq_len=16", "run.global_batch=12", f"run.threads={threads}", *QUIET):
+            apply_override(cfg, item)
+        cfgs.append(cfg)
+    costs = [_gpt_costs(n_layer, n_embd, threads) for n_layer, n_embd in STEP_RUNS]
+    gemm = [gemm_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads) for cfg in cfgs]
+    (p2, u2, n2), (p4, _, _), (_, u128, n128) = costs
+    per_block = max(0.0, ((p4 - gemm[1]) - (p2 - gemm[0])) / 2)
+    per_param = max(0.0, (u128 - u2) / (n128 - n2))
+    residual, runtime = [], []
+    cluster = local_cluster(1, calibrated=False)
     with tempfile.TemporaryDirectory(prefix="allhands-calibrate-") as tmp:
-        for i, (n_layer, n_embd) in enumerate(STEP_RUNS):
-            cfg = Config()
-            for item in ("model.bias=false", f"model.n_layer={n_layer}", "model.n_head=2",
-                         f"model.n_embd={n_embd}", "model.seq_len=16", "run.global_batch=12", f"run.threads={threads}", *QUIET):
-                apply_override(cfg, item)
+        for i, cfg in enumerate(cfgs):
             est = estimate(cfg, Layout(1, 1, 1, 1, 0), cluster, False)
-            got = run_layout(cfg, est, 1, Path(tmp) / f"run-{i}", steps)
+            got = run_layout(cfg, est, 1, Path(tmp) / f"run-{i}", steps)  # its best step, as check's
             numel = sum(est.state_rank) / 16  # fp32 parameters + gradients + two AdamW moments
-            rows.append((n_layer, numel, got.step_time - gemm_seconds(cfg, 12, 1, n_layer, True, threads)))
+            residual.append(got.step_time - gemm[i] - per_block * cfg.model.n_layer - per_param * numel)
             runtime.append(got.peak - (est.memory["total"] - est.memory["buffers"]))
-    # three equations, three unknowns: fixed + per_block * L + per_param * N = residual
-    a = torch.tensor([[1.0, r[0], r[1]] for r in rows], dtype=torch.float64)
-    b = torch.tensor([r[2] for r in rows], dtype=torch.float64)
-    fixed, per_block, per_param = (max(0.0, v) for v in torch.linalg.solve(a, b).tolist())
-    return {"step_fixed": fixed, "step_per_block": per_block, "step_per_param": per_param,
+    return {"step_fixed": max(0.0, min(residual)), "step_per_block": per_block, "step_per_param": per_param,
             "runtime": statistics.median(runtime)}
 
 
@@ -277,7 +326,8 @@ def calibrate(nproc: int, *, force: bool = False) -> dict:
     """The calibration for ``nproc`` workers: cached, else measured (about a minute) and cached."""
     if not force and (hit := cached_calibration(nproc)) is not None:
         return hit
-    result = {**probe_comm(max(2, nproc)), **probe_steps(nproc), "measured_at": time.time()}
+    result = {**probe_comm(max(2, nproc)), **probe_steps(nproc), "measured_at": time.time(),
+              "statistic": STATISTIC}
     path = calibration_path()
     try:
         table = json.loads(path.read_text())

@@ -137,6 +137,39 @@ def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
     return cluster.intra_bw if span <= cluster.per_node else cluster.inter_bw
 
 
+def train_state(layout: Layout, p: float, tensors: int, adam: int) -> dict[str, float]:
+    """Bytes of fp32 parameters ``p`` (``tensors`` tensors), their gradients and ``adam`` bytes
+    of optimizer state per parameter (plus AdamW's step counter per tensor) on one rank."""
+    n = layout.dp_shard
+    optim = adam / 4 * p + 4.0 * tensors * (adam > 0)
+    if layout.zero == 0:
+        return {"params": p, "grads": p, "optim": optim}
+    if layout.zero == 1:
+        return {"params": p, "grads": p, "optim": optim / n}
+    return {"params": p / n, "grads": p / n, "optim": optim / n}
+
+
+def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units: int, compute: float,
+            bf16: bool) -> tuple[float, float]:
+    """(seconds of data-parallel communication per step, the part of it backward/forward cannot
+    hide) for ``pbytes`` of fp32 parameters in ``tensors`` tensors and ``units`` FSDP units."""
+    n, lat = layout.dp_shard, cluster.latency
+    dp_bw = _bw(cluster, layout, "dp_shard" if layout.zero >= 2 else "dp")
+    if layout.zero <= 1:
+        reduce = _ring("allreduce", pbytes, layout.dp) / dp_bw + lat * max(1, pbytes // 25e6)
+        exposed = reduce - min(reduce * (1 - 1 / max(1, pbytes // 25e6 + 1)), compute * 2 / 3)
+        if layout.zero == 1:  # ZeroRedundancyOptimizer hands each owner's updated parameters on
+            bcast = _ring("allgather", pbytes, n) / dp_bw + lat * tensors
+            reduce, exposed = reduce + bcast, exposed + bcast
+        return reduce, exposed
+    gather_bytes = pbytes / 2 if bf16 else pbytes
+    ag = _ring("allgather", gather_bytes, n) / dp_bw * (2 if layout.zero == 3 else 1)
+    rs = _ring("reducescatter", pbytes, n) / dp_bw
+    hsdp = _ring("allreduce", pbytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
+    reduce = ag + rs + hsdp + lat * units * (3 if layout.zero == 3 else 2)
+    return reduce, max(reduce - compute, reduce / units)  # prefetch hides all but about one unit
+
+
 def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estimate:
     m, r = cfg.model, cfg.run
     c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
@@ -150,13 +183,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estim
     for stage in range(pp):
         numel, tensors = stage_params(cfg, pp, tp, stage)
         p = 4.0 * numel
-        steps = 4.0 * tensors  # AdamW's step counter per tensor
-        if layout.zero == 0:
-            state = {"params": p, "grads": p, "optim": adam / 4 * p + steps * (adam > 0)}
-        elif layout.zero == 1:
-            state = {"params": p, "grads": p, "optim": (adam / 4 * p + steps * (adam > 0)) / n}
-        else:
-            state = {"params": p / n, "grads": p / n, "optim": (adam / 4 * p + steps * (adam > 0)) / n}
+        state = train_state(layout, p, tensors, adam)
         est.state_rank.append(sum(state.values()))
         in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
         per_block = ACT_PER_BLOCK[layout.ac] * mb * t * c / tp * act_bytes
@@ -194,24 +221,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estim
     numel0, tensors0 = stage_params(cfg, pp, tp, 0)
     pbytes = 4.0 * numel0
     lat = cluster.latency
-    dp_bw = _bw(cluster, layout, "dp_shard" if layout.zero >= 2 else "dp")
-    gather_bytes = pbytes / 2 if bf16 and layout.zero >= 2 else pbytes
-    bwd = compute * 2 / 3
-    if layout.zero <= 1:
-        reduce = _ring("allreduce", pbytes, layout.dp) / dp_bw + lat * max(1, pbytes // 25e6)
-        hidden = min(reduce * (1 - 1 / max(1, pbytes // 25e6 + 1)), bwd)
-        exposed = reduce - hidden
-        if layout.zero == 1:  # ZeroRedundancyOptimizer hands each owner's updated parameters on
-            bcast = _ring("allgather", pbytes, n) / dp_bw + lat * tensors0
-            reduce, exposed = reduce + bcast, exposed + bcast
-    else:
-        units = max(blocks) + 1
-        ag = _ring("allgather", gather_bytes, n) / dp_bw * (2 if layout.zero == 3 else 1)
-        rs = _ring("reducescatter", pbytes, n) / dp_bw
-        hsdp = _ring("allreduce", pbytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
-        lats = lat * units * (3 if layout.zero == 3 else 2)
-        reduce = ag + rs + hsdp + lats
-        exposed = max(reduce - compute, reduce / units)  # prefetch hides all but about one unit
+    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16)
     tp_comm = 0.0
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
         per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat

@@ -11,8 +11,8 @@ Per rank and per step (1F1B over ``m`` microbatches, ``a`` accumulation steps):
   stage and microbatch (P2P, schedule bookkeeping);
 - bubble = a (p - 1) microbatch times (Narayanan et al. 2021, 1F1B);
 - communication = calls x alpha + bytes x beta for each collective the layout issues (DDP's
-  measured cost and its further buckets, ZeRO-1's parameter broadcasts, FSDP2's per-unit cost
-  and its gathered and reduced bytes, TP's all-gathered and reduce-scattered bytes, the
+  measured cost and its further buckets, ZeRO-1's measured update cost per tensor, FSDP2's
+  per-unit cost and its gathered and reduced bytes, TP's all-gathered and reduce-scattered bytes, the
   pipeline's sent bytes), exposed except where backward can hide it (DDP buckets before the last);
 - per step: ``step_fixed`` + ``step_per_param`` x the parameters this rank updates.
 """
@@ -23,7 +23,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import time
 
 import torch
@@ -33,6 +32,7 @@ from allhands.env import cache_dir
 from allhands.flops import _cpu_name
 
 DDP_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+STATISTIC = "best"  # calibrate.py's estimator; a cache made with another one is measured again
 
 
 def calibration_key(nproc: int) -> str:
@@ -47,14 +47,16 @@ def calibration_path():
 def cached_calibration(nproc: int) -> dict | None:
     """calibrate.py's figures for ``nproc`` workers on this machine, or None when not measured."""
     try:
-        return json.loads(calibration_path().read_text()).get(calibration_key(nproc))
+        got = json.loads(calibration_path().read_text()).get(calibration_key(nproc))
     except (OSError, ValueError):
         return None
+    return got if got and got.get("statistic") == STATISTIC and "zero1_update_tensor" in got else None
 
 
 @functools.lru_cache(maxsize=None)
 def _mm_seconds(m: int, k: int, n: int, threads: int) -> float:
-    """Median seconds of ``(m, k) @ (k, n)`` in fp32 on ``threads`` threads."""
+    """Seconds of ``(m, k) @ (k, n)`` in fp32 on ``threads`` threads: the fastest of many
+    (calibrate.py's statistic)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -67,7 +69,7 @@ def _mm_seconds(m: int, k: int, n: int, threads: int) -> float:
             t0 = time.perf_counter()
             torch.mm(a, b)
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return min(times)
     finally:
         torch.set_num_threads(before)
 
@@ -137,8 +139,9 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
             + _coll(cal, "allreduce", pbytes, buckets - 1)
         hidden = min(reduce * (buckets - 1) / buckets, bwd)
         comm += reduce
-        if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner
-            comm += _coll(cal, "broadcast", pbytes, p_tensors)
+        if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner:
+            # its measured cost per tensor (the probe's bytes are few) and the bytes
+            comm += cal["zero1_update_tensor"] * p_tensors + pbytes * cal["broadcast"][1]
     elif layout.zero >= 2:  # one FSDP2 unit per block and the root
         units = blocks[busiest] + 1
         gathers = 2 if layout.zero == 3 else 1
