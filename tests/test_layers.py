@@ -8,7 +8,11 @@ layer or any layer below; an upward import or a cycle fails, naming the pair.
 from __future__ import annotations
 
 import ast
+import io
 from pathlib import Path
+
+from pyflakes.api import checkRecursive
+from pyflakes.reporter import Reporter
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 
@@ -142,3 +146,13 @@ def test_modules_are_small_and_say_their_idea():
             f"{len(text.splitlines())} lines; split it (one idea per module)"
         if text.strip():
             assert ast.get_docstring(ast.parse(text)), f"{f.relative_to(SRC.parent)} has no docstring"
+
+
+def test_no_unused_names_or_undefined_ones():
+    """pyflakes over the package, benchmarks, examples and tests: an unused import or an undefined
+    name is a merge left half-done."""
+    out = io.StringIO()
+    root = SRC.parent.parent
+    found = checkRecursive([str(root / d) for d in ("src", "bench", "examples", "tests")],
+                           Reporter(out, out))
+    assert found == 0, out.getvalue()

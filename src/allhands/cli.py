@@ -235,11 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if args.cluster.partition(",")[0].partition(":")[0] == "local":
         from allhands.plan.calibrate import calibrate
-        from allhands.plan.localtime import cached_calibration, calibration_path
 
-        if cached_calibration(args.nproc) is None:
-            print(f"allhands plan: measuring this machine for {args.nproc} workers once (about a "
-                  f"minute; cached in {calibration_path()})", file=sys.stderr, flush=True)
         calibrate(args.nproc)  # once per machine: gloo, step overheads, worker memory (cached)
     if args.check:
         from allhands.plan.check import check, format_check

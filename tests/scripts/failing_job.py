@@ -28,7 +28,6 @@ def data(cfg):
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist  # noqa: F401
 
     rank = int(__import__("os").environ["RANK"])
     cfg = allhands.load_config(overrides=[f"run.dir={sys.argv[1]}", "run.steps=20", "run.global_batch=8",

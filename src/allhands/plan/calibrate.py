@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -326,6 +327,8 @@ def calibrate(nproc: int, *, force: bool = False) -> dict:
     """The calibration for ``nproc`` workers: cached, else measured (about a minute) and cached."""
     if not force and (hit := cached_calibration(nproc)) is not None:
         return hit
+    print(f"allhands plan: measuring this machine for {nproc} workers once (about a minute; "
+          f"cached in {calibration_path()})", file=sys.stderr, flush=True)
     result = {**probe_comm(max(2, nproc)), **probe_steps(nproc), "measured_at": time.time(),
               "statistic": STATISTIC}
     path = calibration_path()
