@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import gc
 import importlib.metadata
 import sys
 import warnings
@@ -32,15 +33,13 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     # The second spellings are torchrun's, accepted where they mean the same here.
     g = p.add_argument_group("workers and nodes (torchrun's spellings are accepted too)")
     g.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, default=None,
-                   metavar="N", help="worker processes on this node, >= 1 (default: one per GPU, "
-                                     "or 2 on CPU)")
+                   metavar="N", help="worker processes on this node, >= 1 (default: one per GPU, or 2 on CPU)")
     g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                    help="nodes in the job (default 1); MIN:MAX lets it continue on fewer nodes")
     g.add_argument("--standalone", action="store_true",
                    help="one node with a rendezvous on a free local port: the default already")
     g.add_argument("--node-rank", "--node_rank", type=int, default=0,
-                   help="this node's rank; node 0 hosts the rendezvous (unless --rdzv-store "
-                        "external)")
+                   help="this node's rank; node 0 hosts the rendezvous (unless --rdzv-store external)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous on node 0 (multi-node), or of the "
                         "`allhands rendezvous-store` process with --rdzv-store external")
@@ -255,22 +254,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_args(p: argparse.ArgumentParser, config_help: str = "") -> None:
+    p.add_argument("config", nargs="?", help="TOML job config" + config_help)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one config field (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="allhands", description="Distributed training on torch.distributed.")
     ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (the embedded default job without CONFIG)")
-    t.add_argument("config", nargs="?", help="TOML job config")
-    t.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one config field (repeatable)")
+    _job_args(t)
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     _add_launch_args(t)
     t.set_defaults(fn=cmd_train)
 
     d = sub.add_parser("drill", help="run a job undisturbed and with seeded faults; compare recovery")
-    d.add_argument("config", nargs="?", help="TOML job config")
-    d.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    _job_args(d)
     d.add_argument("--faults", type=int, default=3, help="faults to inject (default 3)")
     d.add_argument("--seed", type=int, default=0, help="seed of the fault plan (default 0)")
     _add_launch_args(d)
@@ -293,13 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)
     cs = csub.add_parser("show", help="print the resolved config")
-    cs.add_argument("config", nargs="?", help="TOML job config (default: the built-in defaults)")
-    cs.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    _job_args(cs, " (default: the built-in defaults)")
     cs.add_argument("--docs", action="store_true", help="add each field's doc as a comment")
     cs.set_defaults(fn=cmd_config_show)
 
-    p = sub.add_parser("prepare", help="turn a local corpus into token shards (continues an "
-                                       "interrupted run when started again)")
+    p = sub.add_parser("prepare", help="turn a local corpus into token shards (started again, it continues)")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files, globs or directories: .txt (one document each), .jsonl[.gz|.zst], "
                         ".parquet, .arrow, or a datasets save_to_disk directory")
@@ -314,8 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end-of-document token of --tokenizer (default: <|endoftext|>, </s>, ...)")
     p.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of tokens")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (there is none when "
-                                                        "stderr is not a terminal)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none when stderr is no terminal)")
     p.set_defaults(fn=cmd_prepare)
 
     e = sub.add_parser("export", help="write a run's weights as one .safetensors file or a "
@@ -332,8 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="predict every layout's per-rank memory, step time and MFU on "
                                      "a cluster before launch")
-    pl.add_argument("config", nargs="?", help="TOML job config (model, batch, precision, optimizer)")
-    pl.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    _job_args(pl, " (model, batch, precision, optimizer)")
     pl.add_argument("--cluster", default="local", metavar="SPEC",
                     help="PRESET[:NODES][,KEY=VALUE...]: a100, h100, h200 (8 per node) or local "
                          "(this machine, measured), e.g. h100:16 or h100:4,inter_gbs=25")
@@ -383,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     for category, message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        if argv is None:  # the command itself: its exit skips a collection of torch's whole heap
+            gc.freeze()   # (seconds at every exit on a loaded machine; everything is closed)
+        return code
     except Interrupted as e:  # a stop on a signal is no error: its own line and exit code
         print(e, file=sys.stderr)
         return e.exit_code

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import datetime
 import logging
 import os
@@ -141,6 +142,7 @@ def worker_main(cfg_dict: dict, job: Any) -> None:
     """Entry point of each spawned worker (module level so that spawn can pickle it)."""
     with reported_failures(exit_at_once=True):
         run_training(Config.from_dict(cfg_dict), job)
+    gc.freeze()
 
 
 @contextlib.contextmanager
