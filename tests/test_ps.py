@@ -130,7 +130,7 @@ def test_replies_wait_only_for_their_round_or_the_staleness_bound():
     go, keep = due_replies(waiting, "ssp", set(), [5, 4, 2], {0, 1, 2}, 2)
     assert go == [(1, 2, False)] and keep == [(0, 5, True)]
     go, keep = due_replies(waiting, "ssp", set(), [5, 4, 2], {0, 1}, 2)  # worker 2 is done
-    assert go == [(0, 1, True), (1, 0, False)] and keep == []
+    assert go == [(1, 0, False), (0, 1, True)] and keep == []  # the slowest first
     go, keep = due_replies(waiting, "async", set(), [5, 4, 2], {0, 1, 2}, 0)
     assert len(go) == 2 and keep == []
 
