@@ -1,14 +1,18 @@
 """Parameter-server benchmarks (parallel.sync=ps), each a ratio of runs made side by side in one
 invocation on this host (the machine is shared and noisy: compare ratios, not absolute rates):
 
-(a) stragglers: 3 workers, rank 2 slowed 3x (``fault.inject=2:2:slow=3``): throughput of async
-    (Downpour) and ssp (bounded staleness) parameter servers / synchronous DDP's (target >= 1.8),
-    and each run's eval loss at the end (equal samples per worker);
+(a) stragglers: 3 workers, rank 2 slowed 3x (``fault.inject=2:2:slow=3``), each step 100 ms of
+    device time (a sleep) plus a small CPU step so that the workers do not contend for the
+    cores: throughput of async (Downpour) and ssp (bounded staleness) parameter servers /
+    synchronous DDP's (target >= 1.8), and each run's eval loss and job time at the end (equal
+    samples per worker; the straggler bounds every run's length, so about equal time too).
+    Ideal: async (2 + 1/3) / 1 = 2.33; ssp 1, since a permanently slow worker paces it;
 (b) sparse: the DLRM-style click model of bench/ps_click.py (its table > 99% of the
     parameters), 2 workers: bytes per worker and step with the table moved by row / DDP's
     all-reduce payload (target <= 1/20), and eval loss at equal samples against DDP's (target
     within 2%), for ps sync and ps async;
-(c) 1 vs 2 servers, 2 async workers of a GPT: throughput with 2 / with 1.
+(c) 1 vs 2 servers, 2 async workers of a wide GPT on one 8-token sample each (server-bound):
+    throughput with 2 / with 1, server load and server milliseconds per push.
 
 Throughput of an asynchronous run comes from the servers' push times (ps/server<i>.json): the
 samples pushed while every worker was still running (between the last worker's 3rd push and the
@@ -130,7 +134,9 @@ def servers(tmp: Path, steps: int) -> None:
         cfg, _, srv, _ = run(tmp, f"servers{n}", 2 + n, [*common, f"ps.servers={n}"])
         rates[n] = ps_rate(cfg, srv, 2)
         load = ", ".join(f"{100 * s['busy_s'] / s['wall_s']:.0f}%" for s in srv)
-        print(f"    {n} server(s)     {rates[n]:8.1f} samples/s  server load {load}")
+        per_push = ", ".join(f"{1000 * s['busy_s'] / s['pushes']:.0f}" for s in srv)
+        print(f"    {n} server(s)     {rates[n]:8.1f} samples/s  server load {load}  server ms per "
+              f"push {per_push}")
     print(f"    throughput with 2 servers / 1 server {rates[2] / rates[1]:.2f}")
 
 
