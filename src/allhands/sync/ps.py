@@ -171,8 +171,9 @@ class PSSync(SyncStrategy):
         """Send ``t`` and wait; with ``posted``, only post the send there (``_wait`` waits)."""
         if t.numel():  # gloo pairs every send with a receive; an empty piece is neither
             work = (w.send(self.pg, t, dst, tag), t, True)
-            self._wait([work] if posted is None else [])
-            if posted is not None:
+            if posted is None:
+                self._wait([work])
+            else:
                 posted.append(work)
 
     def _wait(self, posted: list[tuple[dist.Work, torch.Tensor, bool]]) -> None:
