@@ -1,9 +1,12 @@
 """The sparse benchmark's DLRM-style click model and its generated data (bench/ps.py): one
 EmbeddingBag table (over 99% of the parameters) summed over 8 categorical fields, a small MLP
 on top, and clicks drawn from a planted logistic model over Zipf-like ids (Naumov et al. 2019,
-DLRM, without the dense features)."""
+DLRM, without the dense features). The straggler benchmark runs the same model with a fixed
+"device time" per training step (``DeviceTimed``)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
@@ -40,3 +43,26 @@ def data(cfg):
 
 def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, y)
+
+
+# The straggler benchmark's step: DEVICE_S seconds of "device time" (a sleep: the host's CPU is
+# free meanwhile, as it is while an accelerator runs a step's kernels) plus the click model's
+# small CPU forward/backward. DistBelief's workers are separate machines; 3 workers and a server
+# on 2 shared cores would instead contend for CPU, and a sleeping straggler would hand its core
+# to the others, so the ratio would measure the scheduler, not the algorithm.
+DEVICE_S = 0.1
+
+
+class DeviceTimed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ClickModel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(DEVICE_S)
+        return self.inner(x)
+
+
+def device_timed_model(cfg) -> nn.Module:
+    return DeviceTimed()

@@ -36,6 +36,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from allhands.config import PSConfig
@@ -128,11 +129,16 @@ class PSSync(SyncStrategy):
         flats = [self._gather(s, grads) for s in range(self.roles.n_servers)] if push else []
         lr = self.optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
+        # Every server's request and reply are posted before any is waited on: gloo's send
+        # completes only once the receiver has posted its receive, so waiting on each server in
+        # turn would chain the servers' queues and make a second server slower, not faster.
+        sent = []
         for s in range(self.roles.n_servers):
-            self._request(s, w.request(flags, clock, lr, norm, self.version[s]),
-                          flats[s] if push else None, rows if push else None)
+            sent += self._request(s, w.request(flags, clock, lr, norm, self.version[s]),
+                                  flats[s] if push else None, rows if push else None, wait=False)
             if pull or self.mode == "ssp":
                 self._expect(s, pull)
+        self._wait(sent)
         self.comm.blocking(time.perf_counter() - t0)
 
     def after_step(self, step: int) -> None:
@@ -161,17 +167,30 @@ class PSSync(SyncStrategy):
         # bytes moved point-to-point: an all_gather over 2 ranks counts payload once on the wire
         self.comm.collective("all_gather", t.numel() * t.element_size(), 2)
 
-    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def _send(self, t: torch.Tensor, dst: int, tag: int, posted: list | None = None) -> None:
+        """Send ``t`` and wait; with ``posted``, only post the send there (``_wait`` waits)."""
         if t.numel():  # gloo pairs every send with a receive; an empty piece is neither
-            w.send(self.pg, t, dst, tag).wait()
-            self._moved(t)
+            work = (w.send(self.pg, t, dst, tag), t, True)
+            if posted is None:
+                self._wait([work])
+            else:
+                posted.append(work)
+
+    def _wait(self, posted: list[tuple[dist.Work, torch.Tensor, bool]]) -> None:
+        """Wait for posted sends (each holds its tensor until then) and count their payload."""
+        for work, t, payload in posted:
+            work.wait()
+            if payload:
+                self._moved(t)
 
     def _request(self, s: int, header: torch.Tensor, payload: torch.Tensor | None = None,
-                 rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 wait: bool = True) -> list[tuple[dist.Work, torch.Tensor, bool]]:
+        """Send server ``s`` a request; ``wait=False`` returns its posted sends, not waited on."""
         dst = self.roles.server_rank(s)
-        w.send(self.pg, header, dst, w.TAG_REQ).wait()
+        posted = [(w.send(self.pg, header, dst, w.TAG_REQ), header, False)]
         if payload is not None:
-            self._send(payload, dst, w.TAG_GRAD)
+            self._send(payload, dst, w.TAG_GRAD, posted)
         if rows is not None and self.row_pieces[s]:
             # per table piece of this server: the touched ids in its range and their gradient rows
             ids, vals = [], []
@@ -180,9 +199,14 @@ class PSSync(SyncStrategy):
                 lo, hi = torch.searchsorted(i, torch.tensor([p.start, p.stop])).tolist()
                 ids.append(i[lo:hi])
                 vals.append(g[lo:hi].reshape(-1))
-            w.send(self.pg, torch.tensor([len(i) for i in ids], dtype=torch.int64), dst, w.TAG_COUNTS).wait()
-            self._send(torch.cat(ids), dst, w.TAG_IDS)
-            self._send(torch.cat(vals), dst, w.TAG_ROWS)
+            counts = torch.tensor([len(i) for i in ids], dtype=torch.int64)
+            posted.append((w.send(self.pg, counts, dst, w.TAG_COUNTS), counts, False))
+            self._send(torch.cat(ids), dst, w.TAG_IDS, posted)
+            self._send(torch.cat(vals), dst, w.TAG_ROWS, posted)
+        if not wait:
+            return posted
+        self._wait(posted)
+        return []
 
     def _fetch(self, table: ps_rows.Table, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` (sorted, unique) of ``table``, from the servers holding them."""

@@ -68,6 +68,28 @@ def server_optimizer(cfg: Config, decay: list[torch.Tensor], no_decay: list[torc
     return cls(decay + no_decay, lr=lr)
 
 
+Waiting = list[tuple[int, int, bool]]  # (worker, its clock, with parameters) replies due
+
+
+def due_replies(waiting: Waiting, mode: str, in_round: set[int], clocks: list[int], active: set[int],
+                max_staleness: int) -> tuple[list[tuple[int, int, bool]], Waiting]:
+    """Which replies go now, as (worker, clock gap to the slowest active worker, with
+    parameters), and which wait: all go, except under sync a worker whose push is in the round
+    not yet applied, and under ssp an active worker more than ``max_staleness`` ahead. A sync
+    pull without a push (a worker's start) goes at once: held until the round that the other
+    workers' first pushes opened, it would wait for its own push, which follows the reply.
+    The replies go slowest worker first: under ssp the slowest paces everyone, so a reply to it
+    that queued behind the released leaders' parameter transfers would slow them all."""
+    slowest = min((clocks[k] for k in active), default=0)
+    go, keep = [], []
+    for src, clock, pull in sorted(waiting, key=lambda r: r[1]):
+        gap = clock - slowest
+        held = (mode == "sync" and src in in_round or
+                mode == "ssp" and gap > max_staleness and src in active)
+        (keep if held else go).append((src, clock, pull) if held else (src, gap, pull))
+    return go, keep
+
+
 class Shard(Stateful):
     """This server's parameters and optimizer state, for the Checkpointer (keys per server)."""
 
@@ -114,7 +136,7 @@ class Server:
         self.opt: torch.optim.Optimizer | None = None
         self.tables: dict[int, ps_rows.RowShard] = {}  # by parameter index
         self.round: dict[int, torch.Tensor] = {}  # sync: this step's pushes by worker
-        self.waiting: list[tuple[int, int, bool]] = []  # (worker, clock, with params) replies due
+        self.waiting: Waiting = []
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "pulls": 0, "skipped": 0,
                                       "bytes_in": 0, "bytes_out": 0, "busy_s": 0.0,
                                       "rows_fetched": 0, "rows_pushed": 0, "row_bytes_in": 0,
@@ -234,20 +256,15 @@ class Server:
             widths)}
 
     def _release(self) -> None:
-        """Answer the replies that may go: all of them, except under ssp a worker too far ahead."""
-        if self.flat is None or self.q.mode == "sync" and self.round:
+        """Answer the replies that ``due_replies`` lets go."""
+        if self.flat is None:
             return
-        slowest = min((self.clocks[k] for k in self.active), default=0)
-        keep = []
-        for src, clock, pull in self.waiting:
-            gap = clock - slowest
-            if self.q.mode == "ssp" and gap > self.q.max_staleness and src in self.active:
-                keep.append((src, clock, pull))
-                continue
+        go, self.waiting = due_replies(self.waiting, self.q.mode, set(self.round), self.clocks,
+                                       self.active, self.q.max_staleness)
+        for src, gap, pull in go:
             if self.q.mode == "ssp":
                 self.stats["clock_gap"][gap] += 1
             self._reply(src, pull)
-        self.waiting = keep
 
     def _reply(self, dst: int, with_params: bool) -> None:
         w.send(self.pg, torch.tensor([self.version, 0, 0, 0], dtype=torch.float64), dst, w.TAG_REP).wait()
