@@ -18,8 +18,12 @@ setup: $(VENV)/.installed
 train: setup
 	$(VENV)/bin/allhands train
 
+# Two pytest-xdist workers: most of a test's time is spent starting processes (importing torch)
+# and waiting on timeouts, so two at once fill two cores. Tests sharing a job or a network lab stay
+# on one worker (tests/conftest.py); the `serial` ones time things, so they run alone afterwards.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 bench: setup
 	$(PY) bench/overhead.py

@@ -49,3 +49,20 @@ def cli_env() -> dict:
 
 
 ALLHANDS = [sys.executable, "-m", "allhands.cli"]
+
+# Module-scoped fixtures that train a job or build a network lab, used by a few long tests. Under
+# pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) each worker would build its own copy;
+# the tests that use one go to one worker instead, so the job trains once. All lab users share
+# one group: two labs at once would double the CPU load on tests whose keep-alive timeouts are
+# seconds. (test_bad_inputs' `finished` is not here: its table of ~75 short commands gains more
+# from two workers than a second tiny run costs.)
+SHARED_FIXTURES = {"undisturbed": None, "lab": "netlab"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = sorted(set(SHARED_FIXTURES) & set(item.fixturenames))
+        if shared and not item.get_closest_marker("xdist_group"):
+            name = SHARED_FIXTURES[shared[0]] or f"{item.module.__name__}:{shared[0]}"
+            item.add_marker(pytest.mark.xdist_group(name))

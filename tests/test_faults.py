@@ -106,6 +106,7 @@ def test_restart_limit_exceeded_stops_cleanly_with_one_line(token_dir, tmp_path,
     assert_nothing_corrupt(run_dir / "checkpoints", finished=False)
 
 
+@pytest.mark.serial  # how soon the hang is named
 def test_a_hung_rank_is_named_within_the_timeout(token_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=1:3:hang", "fault.hang_timeout_s=3",
@@ -274,6 +275,7 @@ def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path
     assert "final parameters EQUAL to the undisturbed run's" in out[3]
 
 
+@pytest.mark.serial  # times sleeps to 0.1 s
 def test_slow_fault_makes_steps_take_factor_times_their_work(tmp_path):
     for bad in ("0:1:slow=1", "0:1:slow=x", "0:1:slow="):
         with pytest.raises(ConfigError, match="^fault.inject"):

@@ -50,6 +50,7 @@ def stream(src, dst, nbytes: int, port: int = 5201) -> float:
     return int(n) * 8 / float(seconds) / 1e6
 
 
+@pytest.mark.serial  # measures bandwidth against the cap
 def test_lab_reach_cap_and_cleanup():
     with Lab(3, rate_mbit=100, tag=TAG, prefix=PREFIX) as lab:
         made = lab.names()

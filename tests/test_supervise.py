@@ -57,6 +57,7 @@ def test_restart_policy_backs_off_and_classifies_causes():
     assert p.decide(flake, 0, 0, True) == "restart"  # after progress it is a real failure
 
 
+@pytest.mark.serial  # times the backoff gaps to 0.2 s
 def test_supervise_restarts_with_backoff_then_gives_up_with_one_line(tmp_path, capsys):
     calls = []
 
