@@ -42,6 +42,11 @@ _TOK = None  # the worker process's tokenizer (set by _init_worker)
 def _init_worker(spec: tuple) -> None:
     global _TOK
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # A forked worker inherits its parent's handlers; one that a launch in the same process
+    # installed (torch's agent raises on SIGTERM/SIGHUP/SIGQUIT) would keep the pool's terminate
+    # from ending it, and the pool would wait for it forever.
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_DFL)
     _TOK = load_tokenizer(*spec)
 
 
