@@ -31,14 +31,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
-                                                    ScheduleInterleaved1F1B)
 
 from allhands.models import GPT
 from allhands.parallel.tensor import _tied_groups
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")  # torch's Schedule{GPipe,1F1B,Interleaved1F1B}
 MULTI_STAGE = {"interleaved1f1b"}
 
 
@@ -155,6 +152,12 @@ class Pipeline:
         return self.n_stages - 1 in self.stage_ids
 
     def start(self, device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        # Imported here, for start-up time: pipelining imports torch._dynamo, about half a second
+        # of every worker's start that a job without pipeline stages does not need.
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
+                                                            ScheduleInterleaved1F1B)
+
         stages = [PipelineStage(m, s, self.n_stages, device, group=self.group)
                   for m, s in zip(self.modules, self.stage_ids)]
 
@@ -164,7 +167,8 @@ class Pipeline:
             # .grad after each step, including what earlier accumulation steps left there.
             return loss_fn(out, target) * (self.loss_scale / self.n_microbatches)
 
-        cls = SCHEDULES[self.schedule_name]
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+               "interleaved1f1b": ScheduleInterleaved1F1B}[self.schedule_name]
         arg = stages if self.schedule_name in MULTI_STAGE else stages[0]
         self.schedule = cls(arg, n_microbatches=self.n_microbatches, loss_fn=scaled_loss,
                             scale_grads=False)
