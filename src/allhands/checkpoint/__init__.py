@@ -2,12 +2,19 @@
 (checkpointer.py), the per-rank DCP writer (writer.py), when to save (cadence.py), what is on disk
 (catalog.py), reading without trusting (safe.py, manifest.py), and weights in and out (export.py)."""
 
-from allhands.checkpoint.cadence import Cadence
-from allhands.checkpoint.catalog import FORMAT_VERSION, META_NAME, check_compatible, committed
-from allhands.checkpoint.checkpointer import Checkpointer
-from allhands.checkpoint.export import checkpoint_weights, export_weights, load_weights
-from allhands.checkpoint.state import ModelOptimState, RNGState, TrainState, seed_rank
+import importlib
 
-__all__ = ["Cadence", "Checkpointer", "FORMAT_VERSION", "META_NAME", "ModelOptimState", "RNGState",
-           "TrainState", "check_compatible", "checkpoint_weights", "committed", "export_weights",
-           "load_weights", "seed_rank"]
+# Names resolved on first use (PEP 562), for start-up time: the launcher needs only the catalog
+# (which checkpoints are committed), not torch's Distributed Checkpoint behind the Checkpointer.
+_WHERE = {"Cadence": "cadence", "FORMAT_VERSION": "catalog", "META_NAME": "catalog",
+          "check_compatible": "catalog", "committed": "catalog", "Checkpointer": "checkpointer",
+          "checkpoint_weights": "export", "export_weights": "export", "load_weights": "export",
+          "ModelOptimState": "state", "RNGState": "state", "TrainState": "state", "seed_rank": "state"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

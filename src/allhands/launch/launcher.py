@@ -37,10 +37,8 @@ from allhands.launch import rendezvous, stop
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
 from allhands.launch.policy import RestartPolicy
-from allhands.launch.replicas import run_replicas
 from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.supervisor import supervise
-from allhands.worker import worker_main
 
 
 
@@ -347,12 +345,22 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
     policy = restart_policy(cfg, spec)
     print(policy.describe(spec.multi_node), file=sys.stderr, flush=True)
     if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
-        run_replicas(cfg, spec.nproc, spec.multi_node, job, launch=launch, entry=worker_main,
+        from allhands.launch.replicas import run_replicas  # start-up time: the trainer's modules
+
+        run_replicas(cfg, spec.nproc, spec.multi_node, job, launch=launch, entry=worker_entry,
                      group_spec=dataclasses.replace(spec, nproc=1, port=0, run_id=""), policy=policy)
         return
-    launch(worker_main, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
+    launch(worker_entry, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=policy,
            run_dir=Path(cfg.run.dir), timeouts=rendezvous_timeouts(cfg))
+
+
+def worker_entry(cfg_dict: dict, job: Any) -> None:
+    """The workers' entry point, importing the worker (the trainer, DCP) only in the workers:
+    the launcher never trains, and every command that launches starts a second sooner."""
+    from allhands.worker import worker_main
+
+    worker_main(cfg_dict, job)
 
 
 def rendezvous_timeouts(cfg: Config):
