@@ -168,7 +168,8 @@ class FaultConfig:
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
                          "exception, oom, hang, nan, ckpt (kill during the checkpoint write), "
                          "flake (gloo's connectFullMesh error before the first step), slow=F "
-                         "(from STEP on, every step F times as long: a straggler)")
+                         "(from STEP on, every step F times as long: a straggler), launcher-SIGNAL "
+                         "(the rank sends SIGNAL to its launcher during STEP: a stop at that step)")
     quorum_timeout_s: float = _f(1.0, "replica mode: how long a re-forming quorum waits for a group "
                                       "that does not answer (the survivors' stall after a failure), > 0")
     min_groups: int = _f(1, "replica mode: train only while at least this many replica groups are in the "
