@@ -48,7 +48,7 @@ def _layout(trainer: Any) -> dict[str, Any]:
         state.append(entry)
     ts = trainer.train_state
     sched = {k: v for k, v in trainer.scheduler.state_dict().items() if k != "lr_lambdas"}
-    return {"train": [ts.step, ts.samples, ts.nonfinite_skips], "scheduler": sched, "state": state,
+    return {"train": {k: int(v) for k, v in ts.state_dict().items()}, "scheduler": sched, "state": state,
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
 
 
@@ -80,8 +80,7 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int) -> None:
         for k, v in hyper.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **layout["scheduler"]})
-    ts = trainer.train_state
-    ts.step, ts.samples, ts.nonfinite_skips = layout["train"]
+    trainer.train_state.load_state_dict(layout["train"])  # its own contract: every field travels
 
 
 class ReplicaGroup:
