@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from allhands.authstore import sealed
 from allhands.checkpoint import Checkpointer, committed
 from allhands.checkpoint.heal import ReplicaGroup, group_dir
-from allhands.config import Config, validate
+from allhands.config import Config, replica_group_config, validate
 from allhands.env import ReplicaEnv, replica_env, worker_env
 from allhands.errors import AllhandsError
 from allhands.faults import FaultInjector
@@ -37,6 +37,9 @@ from allhands.trainer import Job, Trainer
 def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     """Train in this process as one worker of the job the environment describes."""
     env = worker_env()
+    replica = replica_env()
+    if replica is not None:  # fault.mode = "replica": this world is one replica group (dp_shard
+        cfg = replica_group_config(cfg)  # ranks); the groups meet in the quorum, not the mesh
     p = cfg.parallel
     if env.attempt:  # an elastic restart may bring fewer workers: the batch must still divide
         validate(cfg, world_size=env.world_size, need_data=False)
@@ -54,7 +57,6 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
                       dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, timeout_s=p.timeout_s, store=store)
     t = _said_since(env.rank, "the workers' rendezvous (process groups)", t)
-    replica = replica_env()
     try:
         if replica is not None:  # fault.mode = "replica": this process is one replica group
             return run_replica(cfg, job or Job(), mesh, replica)
@@ -84,14 +86,15 @@ def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str,
     """One replica group's worker: the trainer, joined to the quorum of the groups."""
     run_dir = Path(cfg.run.dir)
     trainer = Trainer(cfg, job, mesh, group_dir(run_dir, rep.group))
-    # faults name the group (every group's only rank is 0) and fire once per job
-    trainer.faults = FaultInjector(cfg.fault.inject, rep.group, run_dir)
+    # faults name a rank as in the whole job's mesh (group G's local rank L is G * dp_shard + L;
+    # G itself with one rank per group) and fire once per job
+    trainer.faults = FaultInjector(cfg.fault.inject, rep.group * mesh.world_size + mesh.rank, run_dir)
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     store = sealed(dist.TCPStore(rep.host, rep.port, is_master=False, timeout=timeout), rep.secret,
                    f"replica store at {rep.host}:{rep.port}")
     quorum = ReplicaQuorum(store, rep.group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
                            dead_s=cfg.parallel.timeout_s, pg_timeout_s=cfg.parallel.timeout_s,
-                           min_groups=cfg.fault.min_groups)
+                           min_groups=cfg.fault.min_groups, local_group=dist.group.WORLD)
     group = ReplicaGroup(quorum, trainer)
     try:
         result = trainer.fit()

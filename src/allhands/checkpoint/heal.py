@@ -6,6 +6,11 @@ quorum's most advanced member, sent as tensors by a broadcast over the quorum's 
 After a heal every member holds bit-identical parameters and optimizer state, and from then on
 they apply the same summed gradient, so they stay identical. The data cursor is the step
 (data/sampler.py), so it travels as one number.
+
+With FSDP inside a group, local rank L of every group holds the same slice of every parameter
+and of its optimizer state (``fully_shard`` cuts alike for the same world size), so each local
+rank heals over its own quorum group (the same local rank of every member) with the local
+tensors of its DTensors, and reduces its gradient shard the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from allhands.memory import local
 from allhands.sync.quorum import Quorum, ReplicaQuorum
 
 
@@ -64,7 +70,7 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int) -> None:
     layout = json.loads(bytes(buf.numpy()).decode())
     opt = trainer.optimizer
     params = [p for g in opt.param_groups for p in g["params"]]
-    tensors = [p.data for p in params]
+    tensors = [local(p.detach()) for p in params]
     for p, entry in zip(params, layout["state"]):
         held = opt.state[p]  # a defaultdict: a fresh process has no state yet
         for k, (kind, *rest) in entry.items():
@@ -73,8 +79,10 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int) -> None:
                 continue
             shape, dtype = rest[0], getattr(torch, rest[1])
             if not (torch.is_tensor(held.get(k)) and list(held[k].shape) == shape and held[k].dtype == dtype):
-                held[k] = torch.zeros(shape, dtype=dtype, device=p.device)
-            tensors.append(held[k])
+                # a moment shaped like its parameter is laid out like it (a DTensor under FSDP)
+                held[k] = (torch.zeros_like(p.detach(), dtype=dtype) if list(p.shape) == shape
+                           else torch.zeros(shape, dtype=dtype, device=p.device))
+            tensors.append(local(held[k]))
     _bcast(pg, tensors, src)
     for group, hyper in zip(opt.param_groups, layout["groups"]):
         for k, v in hyper.items():
@@ -95,11 +103,14 @@ class ReplicaGroup:
         self.healed_at: list[dict[str, Any]] = []
 
     def local_micro_batches(self, step: int, rank: int, world: int, micro_batches: int) -> list[list[int]]:
-        """This group's shares of step ``step``: ``rank``/``world`` are its own world's (0/1)."""
+        """This rank's part of its group's shares of step ``step``: ``rank``/``world`` are its
+        group's own (FSDP's ranks: share s of the global batch is the sampler's ranks
+        s * world ... s * world + world - 1, as in a full run's HSDP mesh)."""
         q = self.q.quorum
         assert q is not None, "the quorum is formed at the top of each step"
         return [mb for s in q.slots(self.q.group, self.n)
-                for mb in self.sampler.local_micro_batches(step, s, self.n, micro_batches)]
+                for mb in self.sampler.local_micro_batches(step, s * world + rank, self.n * world,
+                                                           micro_batches)]
 
     def begin_step(self, trainer: Any) -> bool:
         """At a step boundary: form a new quorum when one is due (a failure, a joiner, the
@@ -130,7 +141,7 @@ class ReplicaGroup:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.mul_(share)
-        ok = self.q.allreduce([p.grad for p in params], step)
+        ok = self.q.allreduce([local(p.grad) for p in params], step)  # FSDP: this rank's shard
         if not ok:
             print(f"allhands: replica group {self.q.group}: step {step + 1} discarded by every member "
                   f"of quorum {q.qid} (a member failed inside it); re-forming", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ message starts with the dotted path of the field and says what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -251,21 +252,37 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_replica(cfg: Config) -> None:
-    """fault.mode = "replica" supports plain data parallelism, one process per replica group;
-    every other layout is refused here rather than trained with wrong parameters."""
+    """fault.mode = "replica" supports replica groups of plain data parallelism (one process) or
+    of FSDP (dp_shard ranks, zero 2/3: HSDP across groups); every other layout is refused here
+    rather than trained with wrong parameters."""
     f, p = cfg.fault, cfg.parallel
     _check(f.mode in ("restart", "replica"), "fault.mode", "allowed: restart, replica", f.mode)
     _check(f.quorum_timeout_s > 0, "fault.quorum_timeout_s", "must be > 0", f.quorum_timeout_s)
     _check(f.min_groups >= 1, "fault.min_groups", "must be >= 1", f.min_groups)
     if f.mode != "replica":
         return
-    for name, value, plain in (("parallel.dp_shard", p.dp_shard, 1), ("parallel.tp", p.tp, 1),
-                               ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0),
+    if p.zero != 0 if p.dp_shard == 1 else p.zero not in (2, 3):
+        raise ConfigError(f"parallel.zero: {p.zero!r} is not supported with fault.mode=replica and "
+                          f"parallel.dp_shard={p.dp_shard} yet; set parallel.zero=0 with dp_shard=1 "
+                          f"(one process per group) or 2/3 with dp_shard > 1 (FSDP inside a group), "
+                          f"or fault.mode=restart")
+    for name, value, plain in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1),
                                ("parallel.sync", p.sync, "allreduce"), ("sync.compress", cfg.sync.compress, "none")):
         if value != plain:
             raise ConfigError(f"{name}: {value!r} is not supported with fault.mode=replica yet (replica "
-                              f"groups are one data-parallel process each); set {name}={plain!r} or "
+                              f"groups are data-parallel or FSDP ranks); set {name}={plain!r} or "
                               f"fault.mode=restart")
+
+
+def replica_group_size(p: ParallelConfig, world_size: int) -> int:
+    """Workers per replica group in replica mode: the dp_shard ranks that shard one replica."""
+    return mesh_sizes(p, world_size)["dp_shard"]
+
+
+def replica_group_config(cfg: Config) -> Config:
+    """The config one replica group's world trains under: its own dp_shard ranks, no replicate
+    dim (the groups meet in the quorum, sync/quorum.py, not in one mesh)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1))
 
 
 def _validate_fault(f: FaultConfig) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from allhands import admission, safefs
 from allhands.authstore import IntrusionError
-from allhands.config import Config, validate
+from allhands.config import Config, replica_group_size, validate
 from allhands.errors import ConfigError, Interrupted, LaunchError
 from allhands.launch import rendezvous, stop
 from allhands.launch.elastic import node_label, run_agent
@@ -347,8 +347,9 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
     if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
         from allhands.launch.replicas import run_replicas  # start-up time: the trainer's modules
 
-        run_replicas(cfg, spec.nproc, spec.multi_node, job, launch=launch, entry=worker_entry,
-                     group_spec=dataclasses.replace(spec, nproc=1, port=0, run_id=""), policy=policy)
+        per = replica_group_size(cfg.parallel, spec.nproc)  # FSDP inside a group: dp_shard ranks
+        run_replicas(cfg, spec.nproc // per, spec.multi_node, job, launch=launch, entry=worker_entry,
+                     group_spec=dataclasses.replace(spec, nproc=per, port=0, run_id=""), policy=policy)
         return
     launch(worker_entry, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=policy,

@@ -1,6 +1,6 @@
 """Replica mode's launcher (``fault.mode = "replica"``): one torch elastic world per replica
 group, each in a process of its own that runs the single-node launcher with one worker and
-restarts only that group, plus the store where the groups meet every step (sync/quorum.py).
+restarts only that group (one worker, or the dp_shard workers of an FSDP group), plus the store where the groups meet every step (sync/quorum.py).
 
 This is the shape torchft gives a job (one ``torchrun`` per replica group, github.com/pytorch/torchft):
 a failed group is restarted by its own supervisor while the others carry on, and it heals from a
@@ -32,7 +32,7 @@ from allhands.errors import ConfigError, LaunchError
 
 def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch: Callable,
                  entry: Callable, group_spec: Any, policy: Any) -> None:
-    """Run ``nproc`` replica groups of one worker each until they complete; LaunchError when
+    """Run ``nproc`` replica groups of ``group_spec.nproc`` workers each until they complete; LaunchError when
     every group failed for good (each one's restarts used up)."""
     if multi_node:
         raise ConfigError("fault.mode: replica runs on one node for now; use fault.mode=restart "
@@ -54,7 +54,7 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
             os.environ.pop(REPLICA_SECRET_ENV, None)
         else:
             os.environ[REPLICA_SECRET_ENV] = saved
-    print(f"allhands: replica mode: {nproc} replica groups of 1 worker, quorum store on "
+    print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s), quorum store on "
           f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
     for p in procs:
         p.join()
@@ -70,7 +70,7 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
 
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
                 entry: Callable, group_spec: Any, policy: Any) -> None:
-    """One replica group: the single-node launcher with one worker, in its own directory."""
+    """One replica group: the single-node launcher with the group's workers, in its own directory."""
     os.environ[REPLICA_ENV] = f"{group},{groups},127.0.0.1,{port}"
     cfg = Config.from_dict(cfg_dict)
     where = group_dir(Path(cfg.run.dir), group)

@@ -16,8 +16,8 @@ Keys (all under the store given):
 - ``joiners``: a counter a group outside the quorum bumps to be let in. Members read it before
   each all-reduce and sum it inside that all-reduce, so all of them see the same total and
   re-form together, at the same step boundary.
-- ``d/E/S``: the decision on step S of quorum E, ``commit`` only if every member wrote
-  ``ok/E/S/G`` (its all-reduce completed), else ``abort``. A gloo ring can complete on one member
+- ``d/E/S``: the decision on step S of quorum E, ``commit`` only if every rank L of every member
+  G wrote ``ok/E/S/G.L`` (its all-reduce completed), else ``abort``. A gloo ring can complete on one member
   and fail on another when a third dies mid-ring; the compare-and-set decision makes the outcome
   one for all (torchft's ``should_commit``).
 
@@ -26,6 +26,13 @@ the newest quorum, or anyone once every member of it has restarted (a new incarn
 quorum is dead, e.g. every group failed and restarted from its checkpoint), or anyone after
 ``dead_s``. A group that is merely joining waits for the live quorum to let it in, so two
 quorums never train side by side.
+
+A group of several ranks (FSDP inside the group: HSDP across groups) is one member, as in torchft
+(every rank has a Manager; the quorum is decided once per group): its local rank 0 registers and
+closes quorums, the other local ranks read the first decided quorum after their last one that
+holds their group's incarnation, and each local rank all-reduces its own gradient shard with the
+same local rank of the other members (``pg/E/L/``), since rank L of every group holds the same
+slice of every parameter.
 """
 
 from __future__ import annotations
@@ -83,14 +90,28 @@ class ReplicaQuorum:
     every group), ``group`` this group's index of ``n_groups``."""
 
     def __init__(self, store: dist.Store, group: int, n_groups: int, *, timeout_s: float,
-                 dead_s: float, pg_timeout_s: float, min_groups: int = 1):
+                 dead_s: float, pg_timeout_s: float, min_groups: int = 1,
+                 local_group: dist.ProcessGroup | None = None):
         self.store, self.group, self.n, self.min_groups = store, group, n_groups, min_groups
         self.timeout_s, self.dead_s, self.pg_timeout_s = timeout_s, dead_s, pg_timeout_s
-        self.life = secrets.token_hex(6)
-        self.store.set(f"life/{group}", self.life)
+        # ``local_group``: this group's own world when it has several ranks (they share one
+        # incarnation, made by local rank 0, and agree on when to re-form).
+        self.local = local_group if local_group is not None and local_group.size() > 1 else None
+        self.rank = self.local.rank() if self.local is not None else 0
+        self.ranks = self.local.size() if self.local is not None else 1
+        self.life = self._shared_token()
+        if self.rank == 0:
+            self.store.set(f"life/{group}", self.life)
         self.quorum: Quorum | None = None
         self.pg: dist.ProcessGroup | None = None
         self.reform = True  # no quorum yet
+
+    def _shared_token(self) -> str:
+        """A fresh incarnation token, local rank 0's for every rank of the group."""
+        token = torch.frombuffer(bytearray(secrets.token_hex(6).encode()), dtype=torch.uint8)
+        if self.local is not None:
+            self.local.broadcast([token]).wait()  # root: local rank 0
+        return bytes(token.numpy()).decode()
 
     # -- forming a quorum
     def _latest(self) -> Quorum | None:
@@ -111,6 +132,8 @@ class ReplicaQuorum:
         """Register at the next quorum with this group's step; return the decided one, with this
         group in it (retrying at the next quorum id when it was decided without this group)."""
         self.pg = None  # the old group's connections close with it
+        if self.rank > 0:
+            return self._follow()
         while True:
             prev = self._latest()
             e = prev.qid + 1 if prev else 1
@@ -138,6 +161,23 @@ class ReplicaQuorum:
                 self.pg = self._group(q)
                 return q
 
+    def _follow(self) -> Quorum:
+        """A local rank > 0: the first quorum after this rank's last one that holds this group's
+        incarnation, which is the one local rank 0 was let into (it returns at the first)."""
+        e = self.quorum.qid + 1 if self.quorum else 1
+        while True:
+            if self.store.check([f"q/{e}/members"]):
+                q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
+                if self.group in q.members and q.lives[q.members.index(self.group)] == self.life:
+                    self.quorum, self.reform = q, False
+                    self.pg = self._group(q)
+                    return q
+                e += 1
+            elif self.store.check(["done"]):
+                raise QuorumFinished()
+            else:
+                time.sleep(0.01)
+
     def _close(self, e: int, present: list[int]) -> None:
         joiners = self.store.add("joiners", 0)
         regs = [self.store.get(f"q/{e}/m/{g}").decode().split(":") for g in present]
@@ -148,7 +188,7 @@ class ReplicaQuorum:
             self.store.set("epoch", str(e))  # the winner may have died before it said so
 
     def _group(self, q: Quorum) -> dist.ProcessGroup:
-        prefix = dist.PrefixStore(f"pg/{q.qid}/", self.store)
+        prefix = dist.PrefixStore(f"pg/{q.qid}/" + (f"{self.rank}/" if self.ranks > 1 else ""), self.store)
         return dist.ProcessGroupGloo(prefix, q.members.index(self.group), len(q.members),
                                      datetime.timedelta(seconds=self.pg_timeout_s))
 
@@ -174,14 +214,21 @@ class ReplicaQuorum:
         for g, r in zip(grads, reduced):
             g.copy_(r)
         # Every member summed the same counters: all of them re-form after this step, or none.
-        if float(total) > len(q.members) * q.joiners:
+        # The ranks of one group read the counter at different moments: they take the largest.
+        seen = torch.tensor([float(total)])
+        if self.local is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.local.allreduce([seen], opts).wait()
+        if float(seen) > len(q.members) * q.joiners:
             self.reform = True
         return True
 
     def _decide(self, q: Quorum, step: int, ok: bool) -> bytes:
-        key, oks = f"d/{q.qid}/{step}", [f"ok/{q.qid}/{step}/{g}" for g in q.members]
+        key = f"d/{q.qid}/{step}"
+        oks = [f"ok/{q.qid}/{step}/{g}.{r}" for g in q.members for r in range(self.ranks)]
         if ok:
-            self.store.set(oks[q.members.index(self.group)], "1")
+            self.store.set(f"ok/{q.qid}/{step}/{self.group}.{self.rank}", "1")
         deadline = time.monotonic() + self.timeout_s
         verdict = b"abort"
         while ok and not self.store.check([key]):
