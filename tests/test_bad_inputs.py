@@ -131,6 +131,8 @@ CLI = [
     (["train", *T, "--set", "checkpoint.init_from={base}/w.safetensors"], 2, "checkpoint.init_from"),
     (["train", *T, "--set", "fault.mode=replica", "--set", "parallel.tp=2"], 2,
      "parallel.tp: 2 is not supported with fault.mode=replica"),
+    (["train", *T, "--set", "fault.mode=replica", "--set", "parallel.sync=diloco", "--set", "parallel.dp_shard=2",
+      "--set", "parallel.zero=2"], 2, "parallel.dp_shard: 2 is not supported with fault.mode=replica"),
     (["train", *T, "--set", "fault.mode=hot"], 2, "fault.mode: 'hot' is not allowed"),
     (["drill", "--faults", "0"], 2, "--faults: 0"),
     (["drill", "--nproc", "0", *T], 2, "--nproc: 0"),

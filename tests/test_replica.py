@@ -120,7 +120,7 @@ def test_a_peer_gone_between_steps_the_survivor_redoes_the_step_alone():
 
 
 def test_replica_mode_refuses_layouts_it_does_not_support(token_dir, tmp_path):
-    for extra in ("parallel.tp=2", "parallel.sync=diloco", "parallel.zero=1"):
+    for extra in ("parallel.tp=2", "parallel.sync=local_sgd", "parallel.zero=1"):
         cfg = tiny_config(token_dir, tmp_path, "fault.mode=replica", extra)
         with pytest.raises(ConfigError, match="fault.mode=replica"):
             validate(cfg)

@@ -101,3 +101,32 @@ def test_hsdp_kill_one_rank_inside_the_allreduce_only_its_group_restarts(token_d
     ref = reference_params(done, shares=4)  # the global batch in 4 slices, one per rank
     assert set(got) == set(ref), (sorted(got)[:3], sorted(ref)[:3])
     assert max_rel_diff(got, ref) <= 1e-5, max_rel_diff(got, ref)
+
+
+def test_diloco_groups_a_lost_round_is_redone_and_the_replacement_heals(token_dir, tmp_path, capfd):
+    # DiLoCo with H=2 over 2 groups: group 1 dies inside round 3-4 (step 3, between outer syncs)
+    # and again at step 6, while group 0 is at or inside the outer sync of round 5-6. Each time
+    # group 0 discards the round, rolls back to its start, waits (min_groups=2) and heals the
+    # replacement, and the round is redone by both.
+    cfg = tiny_config(token_dir, tmp_path / "run", "run.steps=8", "fault.mode=replica",
+                      "parallel.sync=diloco", "sync.inner_steps=2", "fault.max_restarts=2",
+                      "fault.inject=1:3:SIGKILL,1:6:SIGKILL", "parallel.timeout_s=30",
+                      "fault.quorum_timeout_s=0.5", "fault.min_groups=2")
+    done = train_job(cfg, LaunchSpec(nproc=2))
+    err = capfd.readouterr().err
+    run = Path(done.run.dir)
+    for step in (4, 6):
+        assert f"replica group 0: the outer round ending at step {step} is discarded" in err, err[-3000:]
+    assert err.count("healed from group 0") >= 2, err[-3000:]
+    assert not (run / "logs" / "restarts.jsonl").exists()  # group 0 never restarted
+    assert len((run / "replicas" / "group-1" / "logs" / "restarts.jsonl").read_text().splitlines()) == 2
+    a, b = saved(run), saved(run / "replicas" / "group-1")
+    assert int(a["train.step"]) == int(b["train.step"]) == 8
+    # the global model (the last step is an outer sync: parameters = anchor) and the outer
+    # momentum, bit for bit; the inner AdamW moments are each replica's own
+    glob = [k for k in a if k.startswith(("model.model.", "sync.anchor.", "sync.momentum."))]
+    assert any(k.startswith("sync.momentum.") for k in glob), sorted(a)[:8]
+    for k in glob:
+        assert torch.equal(a[k], b[k]), k
+    for k in (k for k in a if k.startswith("sync.anchor.")):
+        assert torch.equal(a[k], a["model.model." + k.removeprefix("sync.anchor.")]), k

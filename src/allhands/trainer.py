@@ -278,6 +278,8 @@ class Trainer:
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
+                if self.replica is not None and self.replica.discarded_round(self):
+                    continue  # replica mode: a DiLoCo round a member failed in is redone
                 if not logged_memory:
                     logged_memory = self.layout.log_memory(metrics, self.memory, ts.step)
                 if r.check_sync and self.strategy.in_sync(ts.step):

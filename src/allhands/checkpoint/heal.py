@@ -15,6 +15,7 @@ tensors of its DTensors, and reduces its gradient shard the same way.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -83,7 +84,7 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int) -> None:
                 held[k] = (torch.zeros_like(p.detach(), dtype=dtype) if list(p.shape) == shape
                            else torch.zeros(shape, dtype=dtype, device=p.device))
             tensors.append(local(held[k]))
-    _bcast(pg, tensors, src)
+    _bcast(pg, tensors + trainer.strategy.replica_state(), src)  # DiLoCo: the global model too
     for group, hyper in zip(opt.param_groups, layout["groups"]):
         for k, v in hyper.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
@@ -101,6 +102,12 @@ class ReplicaGroup:
         trainer.sampler = self  # the loop asks this object for its micro-batches
         trainer.replica = self
         self.healed_at: list[dict[str, Any]] = []
+        # DiLoCo: groups are its replicas; inner steps are local, and the outer sync over the
+        # quorum is what commits or is discarded (a discarded round is redone from its start).
+        self.diloco = trainer.strategy if trainer.strategy.name == "diloco" else None
+        if self.diloco is not None:
+            self.diloco.outer_reduce = lambda delta: self._outer(trainer, delta)
+        self.round_start: dict[str, Any] = {}
 
     def local_micro_batches(self, step: int, rank: int, world: int, micro_batches: int) -> list[list[int]]:
         """This rank's part of its group's shares of step ``step``: ``rank``/``world`` are its
@@ -129,11 +136,53 @@ class ReplicaGroup:
               f"{', '.join(map(str, q.members))} at step {trainer.train_state.step}"
               f"{f' (healed from group {q.members[src]}, was at step {before})' if before != trainer.train_state.step else ''}"
               f" in {took:.2f} s", file=sys.stderr, flush=True)
+        if self.diloco is not None:  # a heal is at an outer boundary: a round starts here
+            self.diloco.step = trainer.train_state.step
+            self._keep_round_start(trainer)
+        return True
+
+    def _keep_round_start(self, trainer: Any) -> None:
+        """What a discarded DiLoCo round rolls back to, besides the anchor (the parameters at
+        the round's start): the inner optimizer, schedule and step at that boundary."""
+        self.round_start = copy.deepcopy({"optim": trainer.optimizer.state_dict(),
+                                          "sched": trainer.scheduler.state_dict(),
+                                          "train": trainer.train_state.state_dict()})
+
+    def _outer(self, trainer: Any, delta: torch.Tensor) -> torch.Tensor | None:
+        """DiLoCo's outer average over the quorum: each member's pseudo-gradient weighted by its
+        share of the global batch (the mean in an undisturbed run); None: the round is discarded."""
+        q, step = self.q.quorum, trainer.train_state.step
+        avg = delta * (len(q.slots(self.q.group, self.n)) / self.n)
+        if not self.q.allreduce([avg], step):
+            print(f"allhands: replica group {self.q.group}: the outer round ending at step {step} is "
+                  f"discarded by every member of quorum {q.qid} (a member failed in it); redoing it",
+                  file=sys.stderr, flush=True)
+            return None
+        self._keep_round_start(trainer)  # the next round starts from this boundary
+        return avg
+
+    def discarded_round(self, trainer: Any) -> bool:
+        """After a step: True when its outer sync was discarded; the state is then back at the
+        round's start (parameters = anchor, inner optimizer, schedule, step) to redo the round."""
+        s = self.diloco
+        if s is None or not s.discarded:
+            return False
+        s.discarded = False
+        start = copy.deepcopy(self.round_start)  # the optimizer keeps the tensors it is given
+        with torch.no_grad():
+            for p, a in zip(s.params, s.anchor):
+                local(p).copy_(a)
+        trainer.optimizer.load_state_dict(start["optim"])
+        trainer.scheduler.load_state_dict(start["sched"])
+        trainer.train_state.load_state_dict(start["train"])
+        s.step = trainer.train_state.step
         return True
 
     def reduce(self, parts: list[torch.nn.Module], step: int) -> bool:
         """Sum the gradients over the quorum, weighted by each group's share of the global
         batch. False: the step is discarded by every member (a member failed inside it)."""
+        if self.diloco is not None:
+            return True  # DiLoCo's inner steps are local; its outer sync goes through _outer
         q = self.q.quorum
         share = len(q.slots(self.q.group, self.n)) / self.n
         params = [p for part in parts for p in part.parameters() if p.requires_grad]

@@ -252,9 +252,9 @@ def _check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_replica(cfg: Config) -> None:
-    """fault.mode = "replica" supports replica groups of plain data parallelism (one process) or
-    of FSDP (dp_shard ranks, zero 2/3: HSDP across groups); every other layout is refused here
-    rather than trained with wrong parameters."""
+    """fault.mode = "replica" supports replica groups of plain data parallelism (one process), of
+    FSDP (dp_shard ranks, zero 2/3: HSDP across groups) or DiLoCo replicas (one process each);
+    every other layout is refused here rather than trained with wrong parameters."""
     f, p = cfg.fault, cfg.parallel
     _check(f.mode in ("restart", "replica"), "fault.mode", "allowed: restart, replica", f.mode)
     _check(f.quorum_timeout_s > 0, "fault.quorum_timeout_s", "must be > 0", f.quorum_timeout_s)
@@ -266,11 +266,16 @@ def _validate_replica(cfg: Config) -> None:
                           f"parallel.dp_shard={p.dp_shard} yet; set parallel.zero=0 with dp_shard=1 "
                           f"(one process per group) or 2/3 with dp_shard > 1 (FSDP inside a group), "
                           f"or fault.mode=restart")
+    diloco = p.sync == "diloco"  # groups are its replicas (one process each, for now)
     for name, value, plain in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1),
-                               ("parallel.sync", p.sync, "allreduce"), ("sync.compress", cfg.sync.compress, "none")):
+                               ("parallel.sync", p.sync, "diloco" if diloco else "allreduce"),
+                               ("sync.compress", cfg.sync.compress, "none"),
+                               ("parallel.dp_shard", p.dp_shard, 1 if diloco else p.dp_shard),
+                               ("sync.outer_compress", cfg.sync.outer_compress, "none"),
+                               ("sync.sync_warmup_steps", cfg.sync.sync_warmup_steps, 0)):
         if value != plain:
             raise ConfigError(f"{name}: {value!r} is not supported with fault.mode=replica yet (replica "
-                              f"groups are data-parallel or FSDP ranks); set {name}={plain!r} or "
+                              f"groups are data-parallel, FSDP or DiLoCo replicas); set {name}={plain!r} or "
                               f"fault.mode=restart")
 
 

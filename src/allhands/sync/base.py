@@ -54,6 +54,11 @@ class SyncStrategy:
     def after_step(self, step: int) -> None:
         """Called after each optimizer step with the number of completed steps."""
 
+    def replica_state(self) -> list[torch.Tensor]:
+        """Replica mode: tensors of this strategy's state a healing group takes from its source
+        (checkpoint/heal.py), in an order alike on every group."""
+        return []
+
     def in_sync(self, step: int) -> bool:
         """Whether every replica holds the same parameters after ``step`` completed steps."""
         return True

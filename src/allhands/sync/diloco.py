@@ -103,6 +103,11 @@ class DiLoCoSync(SyncStrategy):
         self.outer: torch.optim.SGD | None = None
         self.inner: torch.optim.Optimizer | None = None
         self._load_inner = True  # see saved_keys
+        # Replica mode (checkpoint/heal.py): the outer average over the quorum of replica groups
+        # instead of the dp_replicate group; it returns None when a member failed in the round,
+        # which every member then discards (``discarded``) instead of applying.
+        self.outer_reduce: Any = None
+        self.discarded = False
 
     def describe(self) -> str:
         how = ("model averaging" if self.average else
@@ -182,8 +187,11 @@ class DiLoCoSync(SyncStrategy):
         # Pseudo-gradient of this rank's shards, flattened: (sum of local numels,) fp32.
         delta = torch.cat([(a - _local(p).float()).reshape(-1) for a, p in zip(self.anchor, self.params)])
         t0 = time.perf_counter()
-        avg = self._average(delta)
+        avg = self._average(delta) if self.outer_reduce is None else self.outer_reduce(delta)
         self.comm.blocking(time.perf_counter() - t0)
+        if avg is None:  # replica mode: the round is discarded by every member of the quorum
+            self.discarded = True
+            return
         for a, g in zip(self.anchor, avg.split(sizes)):
             if self.outer is None:
                 a.sub_(g.view_as(a))
@@ -195,6 +203,13 @@ class DiLoCoSync(SyncStrategy):
                 a.grad = None
         for p, a in zip(self.params, self.anchor):
             _local(p).copy_(a)
+
+    def replica_state(self) -> list[torch.Tensor]:
+        """The outer state a replica group's heal sends: the anchor (the global model) and the
+        outer momentum, this rank's shards."""
+        momentum = [self.outer.state[a]["momentum_buffer"] for a in self.anchor] if (
+            self.outer is not None and self.momentum > 0) else []
+        return self.anchor + momentum
 
     def _average(self, x: torch.Tensor) -> torch.Tensor:
         """Mean of ``x`` (flat fp32) over the replicate group, through the chosen payload."""
