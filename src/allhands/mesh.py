@@ -160,6 +160,14 @@ class Mesh:
             self._ckpt_group = self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
         return self._ckpt_group
 
+    def cpu_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for small CPU-side agreements on the main thread (replica
+        mode's quorum, sync/quorum.py): the default group under gloo, a new one under NCCL.
+        Collective on first call under NCCL: every rank calls it alike."""
+        if self.backend == "gloo":
+            return dist.group.WORLD
+        return self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
+
     def cross_role_group(self, store: dist.Store, rank: int, size: int,
                          timeout_s: float) -> dist.ProcessGroup:
         """A gloo group over every rank of a job whose roles each have a default group of their
