@@ -3,7 +3,9 @@ ranks, one rank of group 1 SIGKILLed inside the cross-group all-reduce. The othe
 restarts; the step is discarded everywhere and redone; the restarted group heals rank by rank
 from the survivor; both groups end bit-equal (full tensors from their checkpoints) and equal to a
 single-process reference of the batch rule (the global batch is kept) within the parity tolerance.
-The quorum side of a multi-rank group is tested in-process, with threads on one store."""
+And with DiLoCo (groups are its replicas): a replica killed between outer syncs and at one; the
+survivor discards and redoes the round, heals each replacement, and the global models end
+bit-equal. The quorum side of a multi-rank group is tested in-process, with threads on one store."""
 
 from __future__ import annotations
 
@@ -69,35 +71,38 @@ def test_hsdp_replica_config_is_accepted_and_sized_by_dp_shard(token_dir, tmp_pa
             validate(tiny_config(token_dir, tmp_path, "fault.mode=replica", *extra))
 
 
-def _equal_groups_and_reference(run: Path, done, shares: int) -> dict[str, torch.Tensor]:
-    """Both groups' last checkpoints: same step, every model entry (parameters and optimizer
-    state, full tensors: DCP gathers the FSDP shards) bit for bit; returns group 0's parameters."""
-    a, b = saved(run), saved(run / "replicas" / "group-1")
-    assert int(a["train.step"]) == int(b["train.step"]) == done.run.steps
-    model_keys = [k for k in a if k.startswith("model.")]
-    assert any(k.startswith("model.optim.state.") for k in model_keys), model_keys[:5]
-    for k in model_keys:
-        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
-    return {k.removeprefix("model.model."): v for k, v in a.items() if k.startswith("model.model.")}
+def _killed_job(token_dir, tmp_path, capfd, nproc: int, restarts: int, *extra: str):
+    """Train a replica-mode job whose group 1 is killed ``restarts`` times (``extra`` says where);
+    min_groups=2: the survivor waits in memory for each replacement. Checks that group 0 never
+    restarted and group 1 did each time; returns the finished config, run directory and stderr."""
+    cfg = tiny_config(token_dir, tmp_path / "run", "fault.mode=replica", f"fault.max_restarts={restarts}",
+                      "parallel.timeout_s=30", "fault.quorum_timeout_s=0.5", "fault.min_groups=2", *extra)
+    done = train_job(cfg, LaunchSpec(nproc=nproc))
+    err = capfd.readouterr().err
+    run = Path(done.run.dir)
+    assert not (run / "logs" / "restarts.jsonl").exists(), err[-3000:]  # group 0 never restarted
+    assert len((run / "replicas" / "group-1" / "logs" / "restarts.jsonl").read_text().splitlines()) == restarts
+    assert err.count("healed from group 0") >= restarts, err[-3000:]
+    return done, run, err
 
 
 def test_hsdp_kill_one_rank_inside_the_allreduce_only_its_group_restarts(token_dir, tmp_path, capfd):
     # rank 3 = group 1's local rank 1 SIGKILLs itself after the forward of step 3: its group's
-    # agent restarts both of its ranks; group 0 (ranks 0, 1) discards the step, waits in memory
-    # (min_groups=2) and heals the replacement, each local rank from its namesake
-    cfg = tiny_config(token_dir, tmp_path / "run", "run.steps=5", "fault.mode=replica",
-                      "parallel.dp_shard=2", "parallel.zero=3", "fault.max_restarts=1",
-                      "fault.inject=3:3:SIGKILL", "parallel.timeout_s=30",
-                      "fault.quorum_timeout_s=0.5", "fault.min_groups=2")
-    done = train_job(cfg, LaunchSpec(nproc=4))
-    err = capfd.readouterr().err
-    run = Path(done.run.dir)
+    # agent restarts both of its ranks; group 0 (ranks 0, 1) discards the step, waits and heals
+    # the replacement, each local rank from its namesake
+    done, run, err = _killed_job(token_dir, tmp_path, capfd, 4, 1, "run.steps=5", "parallel.dp_shard=2",
+                                 "parallel.zero=3", "fault.inject=3:3:SIGKILL")
     assert "replica groups of 2 worker(s)" in err, err[-3000:]
     assert "replica group 0: step 3 discarded by every member" in err, err[-3000:]
-    assert "replica group 1: quorum" in err and "healed from group 0" in err, err[-3000:]
-    assert not (run / "logs" / "restarts.jsonl").exists()  # group 0 never restarted
-    assert len((run / "replicas" / "group-1" / "logs" / "restarts.jsonl").read_text().splitlines()) == 1
-    got = _equal_groups_and_reference(run, done, 4)
+    # both groups' last checkpoints, every model entry (parameters and optimizer state, full
+    # tensors: DCP gathers the FSDP shards), bit for bit
+    a, b = saved(run), saved(run / "replicas" / "group-1")
+    assert int(a["train.step"]) == int(b["train.step"]) == 5
+    model_keys = [k for k in a if k.startswith("model.")]
+    assert any(k.startswith("model.optim.state.") for k in model_keys), model_keys[:5]
+    for k in model_keys:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+    got = {k.removeprefix("model.model."): v for k, v in a.items() if k.startswith("model.model.")}
     ref = reference_params(done, shares=4)  # the global batch in 4 slices, one per rank
     assert set(got) == set(ref), (sorted(got)[:3], sorted(ref)[:3])
     assert max_rel_diff(got, ref) <= 1e-5, max_rel_diff(got, ref)
@@ -106,20 +111,12 @@ def test_hsdp_kill_one_rank_inside_the_allreduce_only_its_group_restarts(token_d
 def test_diloco_groups_a_lost_round_is_redone_and_the_replacement_heals(token_dir, tmp_path, capfd):
     # DiLoCo with H=2 over 2 groups: group 1 dies inside round 3-4 (step 3, between outer syncs)
     # and again at step 6, while group 0 is at or inside the outer sync of round 5-6. Each time
-    # group 0 discards the round, rolls back to its start, waits (min_groups=2) and heals the
-    # replacement, and the round is redone by both.
-    cfg = tiny_config(token_dir, tmp_path / "run", "run.steps=8", "fault.mode=replica",
-                      "parallel.sync=diloco", "sync.inner_steps=2", "fault.max_restarts=2",
-                      "fault.inject=1:3:SIGKILL,1:6:SIGKILL", "parallel.timeout_s=30",
-                      "fault.quorum_timeout_s=0.5", "fault.min_groups=2")
-    done = train_job(cfg, LaunchSpec(nproc=2))
-    err = capfd.readouterr().err
-    run = Path(done.run.dir)
+    # group 0 discards the round, rolls back to its start, waits and heals the replacement, and
+    # the round is redone by both.
+    _, run, err = _killed_job(token_dir, tmp_path, capfd, 2, 2, "run.steps=8", "parallel.sync=diloco",
+                              "sync.inner_steps=2", "fault.inject=1:3:SIGKILL,1:6:SIGKILL")
     for step in (4, 6):
         assert f"replica group 0: the outer round ending at step {step} is discarded" in err, err[-3000:]
-    assert err.count("healed from group 0") >= 2, err[-3000:]
-    assert not (run / "logs" / "restarts.jsonl").exists()  # group 0 never restarted
-    assert len((run / "replicas" / "group-1" / "logs" / "restarts.jsonl").read_text().splitlines()) == 2
     a, b = saved(run), saved(run / "replicas" / "group-1")
     assert int(a["train.step"]) == int(b["train.step"]) == 8
     # the global model (the last step is an outer sync: parameters = anchor) and the outer
