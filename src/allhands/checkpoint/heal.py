@@ -11,6 +11,12 @@ With FSDP inside a group, local rank L of every group holds the same slice of ev
 and of its optimizer state (``fully_shard`` cuts alike for the same world size), so each local
 rank heals over its own quorum group (the same local rank of every member) with the local
 tensors of its DTensors, and reduces its gradient shard the same way.
+
+Under DiLoCo the groups are its replicas: inner steps are local, and the outer sync over the
+quorum is the step that commits. Each member keeps its state at the last committed boundary (the
+anchor, plus a copy of the inner optimizer, schedule and step) so that a round a member failed
+in is discarded by all and redone from there; a heal then also sends the anchor and the outer
+momentum.
 """
 
 from __future__ import annotations
