@@ -10,7 +10,7 @@ with ``fault.mode = "restart"`` (torch's agents restart both hosts' workers from
 checkpoint, every ``--ckpt`` steps). Figures as bench/replica.py: survivor stall, replacement
 back, recovery, goodput.
 
-    python bench/replica_lab.py [--faults 2] [--every 30] [--ckpt 10] [--rate 100] [--out DIR]
+    python bench/replica_lab.py [--faults 2] [--every 100] [--ckpt 10] [--rate 100] [--out DIR]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run_on_lab(lab, sets: list[str], secret: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--faults", 2), ("--every", 30), ("--ckpt", 10), ("--rate", 100)):
+    for flag, default in (("--faults", 2), ("--every", 100), ("--ckpt", 10), ("--rate", 100)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lab-tag", default="ahrb", help="prefix of the lab's namespace and link names")
     ap.add_argument("--lab-prefix", default="10.68.0", help="the lab hosts' /24")
