@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,18 +21,21 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from allhands.authstore import MACStore, store_key
+from allhands.admission import AdmissionError
+from allhands.authstore import IntrusionError, MACStore, store_key
 from allhands.checkpoint import committed
 from allhands.checkpoint.safe import SafeFileSystemReader
-from allhands.config import validate
+from allhands import netlab
+from allhands.config import load_config, validate
 from allhands.errors import ConfigError
+from allhands.faults import fired_at
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.checkpoint.heal import ReplicaGroup
 from allhands.mesh import Mesh
 from allhands.sync.quorum import Quorum, ReplicaQuorum
 from allhands.trainer import Job, Trainer
 
-from conftest import tiny_config
+from conftest import ALLHANDS, TINY, tiny_config
 from test_parity import max_rel_diff, reference_params
 
 
@@ -179,3 +184,168 @@ def test_kill_inside_the_allreduce_survivor_carries_on_and_the_replacement_heals
     assert max_rel_diff(got, ref) <= 1e-5, max_rel_diff(got, ref)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "loss" in m][-1] == 8
+
+
+# --------------------------------------------------------------------------- admission of the quorum
+
+
+def test_a_forged_gloo_record_in_the_quorums_prefix_is_refused(capfd):
+    """A stranger who reaches the store plants rank 1's connection record of the next quorum's
+    gloo group (a genuine record replayed under that key): it carries no valid MAC for that key,
+    so group 0 refuses it, names it, and never dials the address it holds."""
+    store = _store()
+    a, b = _quorum(store, 0), _quorum(store, 1)
+    _in_threads(lambda: a.form(0), lambda: b.form(0))  # quorum 1: its gloo records show the keys
+    raw = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    genuine = [k for k in raw.list_keys() if k.startswith("pg/1/") and k.endswith("/1")]
+    assert genuine, raw.list_keys()
+    for k in genuine:  # quorum 2's keys, written before any member of quorum 2 writes its own
+        raw.set("pg/2/" + k.removeprefix("pg/1/"), raw.get(k))
+    with pytest.raises((IntrusionError, RuntimeError), match="intrusion|MAC"):
+        a._group(Quorum(2, (0, 1), (0, 0), (a.life, "stranger"), 0))
+    assert re.search(r"intrusion: refused key 'pg/2/\S+' in the test store: its value has no valid MAC",
+                     capfd.readouterr().err)
+
+
+def test_a_stranger_in_the_quorums_group_is_refused_by_admission():
+    """On a store without MACs (so the stranger could write its records), the member that holds
+    the job's replica secret and the one that does not both stop before any gradient is summed:
+    the quorum's gloo group is admitted like every other group of the job."""
+    store = _store()
+
+    def member(group, secret):
+        tcp = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        q = ReplicaQuorum(tcp, group, 2, timeout_s=0.3, dead_s=30.0, pg_timeout_s=10, secret=secret)
+        try:
+            q.form(0)
+        except AdmissionError as e:
+            return str(e)
+        return "admitted"
+
+    genuine, stranger = _in_threads(lambda: member(0, "the-job-replica-secret"),
+                                    lambda: member(1, "a-guess-at-the-secret!"))
+    assert "refused rank 1" in genuine and "no valid proof" in genuine, genuine
+    assert "refused rank 0" in stranger, stranger
+
+
+# --------------------------------------------------------------------------- hard failures
+
+
+def _bit_equal_and_reference(done, runs: list[Path], shares: int) -> None:
+    """Every run directory's last checkpoint is at the final step, holds the same parameters and
+    optimizer state bit for bit, and its parameters equal the stated rule's reference."""
+    states = [saved(r) for r in runs]
+    assert [int(s["train.step"]) for s in states] == [done.run.steps] * len(runs)
+    for other in states[1:]:
+        for k in (k for k in states[0] if k.startswith("model.")):
+            v = states[0][k]
+            assert torch.equal(v, other[k]) if torch.is_tensor(v) else v == other[k], k
+    got = {k.removeprefix("model.model."): v for k, v in states[0].items() if k.startswith("model.model.")}
+    assert max_rel_diff(got, reference_params(done, shares=shares)) <= 1e-5
+
+
+def _finished(done, runs: list[Path]) -> list[Path]:
+    """The run directories whose last checkpoint is at the final step (at least one)."""
+    out = [r for r in runs if committed(r / "checkpoints") and int(saved(r)["train.step"]) == done.run.steps]
+    assert out, "no group completed the job"
+    return out
+
+
+def _replica_job(token_dir, tmp_path, capfd, nproc: int, *extra: str):
+    """A replica-mode job of ``nproc`` groups with short quorum timeouts: (config, stderr, run dir)."""
+    cfg = tiny_config(token_dir, tmp_path / "run", "fault.mode=replica", "parallel.timeout_s=30",
+                      "fault.quorum_timeout_s=0.5", *extra)
+    done = train_job(cfg, LaunchSpec(nproc=nproc))
+    return done, capfd.readouterr().err, Path(done.run.dir)
+
+
+def _restarts(run: Path) -> int:
+    f = run / "logs" / "restarts.jsonl"
+    return len(f.read_text().splitlines()) if f.exists() else 0
+
+
+def test_the_joiner_killed_inside_its_heal_restarts_and_heals_again(token_dir, tmp_path, capfd):
+    # group 1 dies at step 3; its replacement is SIGKILLed halfway through the heal from group 0
+    done, err, run = _replica_job(token_dir, tmp_path, capfd, 2, "run.steps=6", "fault.max_restarts=2",
+                                  "fault.inject=1:3:SIGKILL,1:2:heal-joiner", "fault.min_groups=2")
+    assert set(fired_at(run)) == {"1:3:SIGKILL", "1:2:heal-joiner"}, err[-3000:]
+    assert _restarts(run) == 0 and _restarts(run / "replicas" / "group-1") == 2, err[-3000:]
+    assert "healed from group 0" in err, err[-3000:]
+    _bit_equal_and_reference(done, [run, run / "replicas" / "group-1"], shares=2)
+
+
+def test_the_source_killed_inside_a_heal_the_others_heal_again_from_the_next(token_dir, tmp_path, capfd):
+    # group 2 dies at step 3; group 0, the source of its replacement's heal, dies halfway through
+    # it. The heal leaves every receiver's state as it was: group 1 (a survivor) never restarts,
+    # group 2's replacement heals again without a restart, both from group 1, the most advanced
+    # left. min_groups=3: the quorum waits for every replacement, whatever a restart takes here.
+    done, err, run = _replica_job(token_dir, tmp_path, capfd, 3, "run.steps=8", "fault.max_restarts=1",
+                                  "fault.inject=2:3:SIGKILL,0:2:heal-source", "fault.min_groups=3")
+    g1, g2 = run / "replicas" / "group-1", run / "replicas" / "group-2"
+    assert set(fired_at(run)) == {"2:3:SIGKILL", "0:2:heal-source"}, err[-3000:]
+    assert re.search(r"replica group 2: the heal in quorum \d+ failed", err), err[-3000:]
+    assert re.search(r"replica group 2: quorum \d+ of groups 0, 1, 2 at step \d+ \(healed from group 1", err), \
+        err[-3000:]
+    assert (_restarts(run), _restarts(g1), _restarts(g2)) == (1, 0, 1), err[-3000:]
+    _bit_equal_and_reference(done, [run, g1, g2], shares=3)
+
+
+@pytest.mark.parametrize("inject,min_groups", [("0:4:SIGKILL,1:4:SIGKILL", 2), ("1:2:SIGKILL,0:4:SIGKILL", 1)],
+                         ids=["every-group-at-once", "the-last-survivor"])
+def test_with_no_live_group_left_they_restart_from_their_checkpoints(token_dir, tmp_path, capfd, inject,
+                                                                     min_groups):
+    """The fallback: no live group holds the state, so the restarted ones resume from their own
+    last checkpoints (step 2) and the quorum forms again among them. Every group at once (both
+    train every step together); or group 0 while it is the only live group (group 1 is
+    restarting, or here under load, not yet started: min_groups=1)."""
+    done, err, run = _replica_job(token_dir, tmp_path, capfd, 2, "run.steps=6", "fault.max_restarts=1",
+                                  f"fault.inject={inject}", f"fault.min_groups={min_groups}",
+                                  "checkpoint.interval=2", "checkpoint.mode=sync")
+    events = {g: [json.loads(x) for x in (r / "logs" / "restarts.jsonl").read_text().splitlines()]
+              for g, r in ((0, run), (1, run / "replicas" / "group-1"))}
+    assert [len(e) for e in events.values()] == [1, 1], err[-3000:]
+    assert events[0][0]["resume_from"] == "checkpoint step 2", (events, err[-3000:])
+    assert "resumed from step 2" in err, err[-3000:]
+    if min_groups == 2:
+        assert events[1][0]["resume_from"] == "checkpoint step 2", (events, err[-3000:])
+        _bit_equal_and_reference(done, [run, run / "replicas" / "group-1"], shares=2)
+    else:  # a group that was still restarting when the other completed the job ends without training
+        _bit_equal_and_reference(done, _finished(done, [run, run / "replicas" / "group-1"]), shares=2)
+
+
+# --------------------------------------------------------------------------- across two hosts
+
+LAB_REASON = netlab.unavailable()
+
+
+@pytest.fixture(scope="module")
+def lab():
+    if LAB_REASON is not None:
+        pytest.skip(f"network lab unavailable: {LAB_REASON}")
+    with netlab.Lab(2, tag="ahr", prefix="10.67.0") as lab:
+        yield lab
+
+
+def test_across_two_hosts_the_killed_group_heals_over_the_link(lab, token_dir, tmp_path, cli_env):
+    """One replica group per lab host, the quorum store on host 0's rendezvous endpoint: group 1
+    (host 1) is SIGKILLed at step 3; host 0's group never stops, host 1's launcher restarts its
+    worker, which heals from group 0 across the veth link."""
+    run_dir = tmp_path / "run"
+    sets = [*TINY, "run.steps=6", "fault.mode=replica", "fault.max_restarts=1", "fault.inject=1:3:SIGKILL",
+            "parallel.timeout_s=30", "fault.quorum_timeout_s=0.5", "fault.min_groups=2",
+            f"data.path={token_dir}", f"run.dir={run_dir}"]
+    env = dict(cli_env, ALLHANDS_SECRET="lab-test-secret-" + "x" * 16, OMP_NUM_THREADS="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    procs = [host.popen([*ALLHANDS, "train", "--nnodes", "2", "--node-rank", str(r), "--nproc", "1",
+                         "--rdzv-endpoint", f"{lab.hosts[0].addr}:29400", "--local-addr", host.addr,
+                         *(x for s in sets for x in ("--set", s))], env=env, text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r, host in enumerate(lab.hosts)]
+    out = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], out[0][-3000:] + out[1][-3000:]
+    assert "quorum store at 10.67.0.1:29400; gloo on 10.67.0.2" in out[1], out[1][-3000:]
+    assert re.search(r"replica group 1: quorum \d+ of groups 0, 1 at step \d+ \(healed from group 0",
+                     out[1]), out[1][-3000:]
+    assert _restarts(run_dir) == 0 and _restarts(run_dir / "replicas" / "group-1") == 1
+    done = load_config(run_dir / "config.resolved.toml")
+    _bit_equal_and_reference(done, [run_dir, run_dir / "replicas" / "group-1"], shares=2)

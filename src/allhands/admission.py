@@ -111,9 +111,13 @@ def worker_environment(secret: str | None) -> dict[str, str | None]:
 # --------------------------------------------------------------------------- worker side
 
 
-def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None, *,
+                secret: str | None = None) -> None:
     """Prove this worker holds the job secret and check every peer's proof; raises
-    :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective."""
+    :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective.
+    ``secret``: prove this one instead of the job secret the launcher passed (a group that spans
+    several launchers' worlds, as replica mode's quorum does, shares a secret of its own); the
+    caller then owns ``group`` and drops it on a refusal."""
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return  # new_group hands this to ranks outside the group: nothing to check here
     # A group's own size and rank: it may be a group not registered with the default one (the
@@ -121,21 +125,25 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
     world = group.size() if group is not None else dist.get_world_size()
     if world == 1:
         return
-    secret, insecure, master = worker_admission_env()
+    own = secret is not None
+    passed, insecure, master = worker_admission_env()
+    if not own:
+        secret = passed
     rank = group.rank() if group is not None else dist.get_rank()  # proofs bind the rank within this group
+    me = dist.get_rank() if dist.is_initialized() else rank
     if not secret:
         if insecure:
             return
-        _refuse(dist.get_rank(), f"has no job secret, so it cannot prove it belongs to the job; start "
-                      f"workers with `allhands train`/`allhands launch`, or set {SECRET_ENV} to "
-                      f"the same value for every worker ({INSECURE_ENV}=1 skips the check: not "
-                      f"advised)")
+        _refuse(me, f"has no job secret, so it cannot prove it belongs to the job; start "
+                    f"workers with `allhands train`/`allhands launch`, or set {SECRET_ENV} to "
+                    f"the same value for every worker ({INSECURE_ENV}=1 skips the check: not "
+                    f"advised)")
     key = secret.encode("utf-8")
 
     mine = secrets.token_bytes(_NONCE)
     nonces = _all_gather(mine, world, device, group)
     if nonces[rank] != mine:
-        _refuse(dist.get_rank(), "its own nonce came back changed: the process group is tampered with")
+        _refuse(me, "its own nonce came back changed: the process group is tampered with", drop=not own)
     transcript = hashlib.sha256(_TAG + struct.pack(">Q", world) + b"".join(nonces)).digest()
 
     addr = _local_address(master).encode("utf-8")[:_ADDR]
@@ -153,8 +161,8 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
             glob = _global_rank(group, r)
             refused.append(f"rank {glob} (says {shown}, pid {their_pid})")
     if refused:
-        _refuse(dist.get_rank(), f"refused {', '.join(refused)}: no valid proof of the job secret (a "
-                      f"process outside the job, or a node started with another secret)")
+        _refuse(me, f"refused {', '.join(refused)}: no valid proof of the job secret (a "
+                    f"process outside the job, or a node started with another secret)", drop=not own)
 
 
 def _global_rank(group: dist.ProcessGroup | None, r: int) -> int:
@@ -168,10 +176,12 @@ def _context(pid: int, addr: bytes) -> bytes:
     return struct.pack(">QB", pid, len(addr)) + addr
 
 
-def _refuse(rank: int, why: str) -> NoReturn:
+def _refuse(rank: int, why: str, drop: bool = True) -> NoReturn:
     msg = (f"admission: worker rank {rank} {why}; stopped before any tensor of the job was "
            f"exchanged")
     print(f"allhands: {msg}", file=sys.stderr, flush=True)
+    if not drop:
+        raise AdmissionError(msg)
     try:  # drop the connections to the refused peers now, not in an exit-time destructor
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the refusal below is what matters

@@ -18,8 +18,9 @@ INSECURE_ENV = "ALLHANDS_INSECURE"
 
 
 REPLICA_ENV = "ALLHANDS_REPLICA"
-"""Replica mode (launch/replicas.py): ``GROUP,GROUPS,HOST,PORT`` of this worker's replica group
-and of the store where the groups meet."""
+"""Replica mode (launch/replicas.py): ``GROUP,GROUPS,HOST,PORT[,ADDRESS]`` of this worker's replica
+group, of the store where the groups meet, and (across nodes) this node's address for the quorum's
+gloo connections."""
 REPLICA_SECRET_ENV = "ALLHANDS_REPLICA_SECRET"
 """The secret every value of that store is MAC'd under (one per job, shared by its groups)."""
 
@@ -31,6 +32,7 @@ class ReplicaEnv:
     host: str
     port: int
     secret: str | None
+    address: str = ""  # where the quorum's gloo listens; "" for gloo's default (one node: loopback)
 
 
 def replica_env() -> ReplicaEnv | None:
@@ -38,8 +40,9 @@ def replica_env() -> ReplicaEnv | None:
     e = os.environ
     if not e.get(REPLICA_ENV):
         return None
-    group, groups, host, port = e[REPLICA_ENV].split(",")
-    return ReplicaEnv(int(group), int(groups), host, int(port), e.get(REPLICA_SECRET_ENV) or None)
+    group, groups, host, port, *address = e[REPLICA_ENV].split(",")
+    return ReplicaEnv(int(group), int(groups), host, int(port), e.get(REPLICA_SECRET_ENV) or None,
+                      address[0] if address else "")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ Kinds:
 - ``ckpt``: SIGKILL inside the storage writer of the first checkpoint saved at or after STEP,
   after this rank's shard files are written but before the save completes, i.e. during an
   (asynchronous) checkpoint write;
+- ``heal-source`` / ``heal-joiner``: SIGKILL in the middle of a replica-mode heal
+  (checkpoint/heal.py), after half of the state's tensors were broadcast: the first heal to a step
+  at or after STEP in which this replica group is the source (and some member is behind) / a
+  member that is behind (a joiner);
 - ``flake``: the start-up flake of a fresh gloo process group (seen with torch 2.13: a restart
   failed once in ``connectFullMesh`` and the next try worked): the first attempt that starts at step
   STEP or later fails before computing any step, raising the ``RuntimeError`` gloo raises when
@@ -48,7 +52,7 @@ import torch
 from allhands.errors import AllhandsError, ConfigError
 from allhands.stopflag import FLAG, STOP_SIGNALS
 
-KINDS = ("exception", "oom", "hang", "nan", "ckpt", "flake")
+KINDS = ("exception", "oom", "hang", "nan", "ckpt", "flake", "heal-source", "heal-joiner")
 
 
 class NonFiniteError(AllhandsError):
@@ -207,11 +211,21 @@ class FaultInjector:
 
     def ckpt_writer_hook(self, step: int):
         """A callable for the storage writer to run after this rank's files are written, or None."""
-        if not self.faults or not any(f.kind == "ckpt" and step >= f.step for f in self.faults):
+        return self._kill_hook(step, "ckpt")
+
+    def heal_hook(self, step: int, source: bool):
+        """A callable for a replica-mode heal to ``step`` to run halfway through its broadcast
+        (in its ``source``, or in a member that is behind), or None."""
+        return self._kill_hook(step, "heal-source" if source else "heal-joiner")
+
+    def _kill_hook(self, step: int, kind: str):
+        """A callable that SIGKILLs this process if a ``kind`` fault is due at ``step`` (at or
+        after its STEP, once), or None when none can be."""
+        if not self.faults or not any(f.kind == kind and step >= f.step for f in self.faults):
             return None
 
         def kill_now() -> None:
-            if self._take(step, ("ckpt",), at_or_after=True):
+            if self._take(step, (kind,), at_or_after=True):
                 os.kill(os.getpid(), signal.SIGKILL)
         return kill_now
 

@@ -94,7 +94,8 @@ def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str,
                    f"replica store at {rep.host}:{rep.port}")
     quorum = ReplicaQuorum(store, rep.group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
                            dead_s=cfg.parallel.timeout_s, pg_timeout_s=cfg.parallel.timeout_s,
-                           min_groups=cfg.fault.min_groups, local_group=mesh.cpu_group())
+                           min_groups=cfg.fault.min_groups, local_group=mesh.cpu_group(),
+                           secret=rep.secret, address=rep.address)
     group = ReplicaGroup(quorum, trainer)
     try:
         result = trainer.fit()

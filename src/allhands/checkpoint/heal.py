@@ -26,7 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,8 +65,13 @@ def _layout(trainer: Any) -> dict[str, Any]:
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
 
 
-def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int) -> None:
-    """Collective over ``pg``: every member ends with member ``src``'s training state."""
+def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int,
+         midway: Callable[[], None] | None = None) -> None:
+    """Collective over ``pg``: every member ends with member ``src``'s training state; or, when
+    the broadcast fails (a member died inside it: gloo raises RuntimeError), with its own state
+    untouched. A receiver takes the tensors into buffers of its own and puts them in place only
+    once all of them arrived, so nothing half-healed ever trains. ``midway`` runs after half the
+    tensors (fault injection: faults.py ``heal``)."""
     header = torch.tensor([0], dtype=torch.int64)
     raw = json.dumps(_layout(trainer)).encode() if me == src else b""
     header[0] = len(raw)
@@ -77,20 +82,42 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int) -> None:
     layout = json.loads(bytes(buf.numpy()).decode())
     opt = trainer.optimizer
     params = [p for g in opt.param_groups for p in g["params"]]
-    tensors = [local(p.detach()) for p in params]
+    # Where each tensor goes (on the source: what it sends): parameters, optimizer moments, and
+    # the strategy's own state (DiLoCo: the global model and outer momentum). Local shards under
+    # FSDP: worker L of every group holds the same slice.
+    targets = [local(p.detach()) for p in params]
+    fresh: list[tuple[dict, str, torch.Tensor]] = []  # moments a fresh process does not hold yet
     for p, entry in zip(params, layout["state"]):
         held = opt.state[p]  # a defaultdict: a fresh process has no state yet
         for k, (kind, *rest) in entry.items():
             if kind == "v":
-                held[k] = rest[0]
                 continue
             shape, dtype = rest[0], getattr(torch, rest[1])
-            if not (torch.is_tensor(held.get(k)) and list(held[k].shape) == shape and held[k].dtype == dtype):
+            t = held.get(k)
+            if not (torch.is_tensor(t) and list(t.shape) == shape and t.dtype == dtype):
                 # a moment shaped like its parameter is laid out like it (a DTensor under FSDP)
-                held[k] = (torch.zeros_like(p.detach(), dtype=dtype) if list(p.shape) == shape
-                           else torch.zeros(shape, dtype=dtype, device=p.device))
-            tensors.append(local(held[k]))
-    _bcast(pg, tensors + trainer.strategy.replica_state(), src)  # DiLoCo: the global model too
+                t = (torch.zeros_like(p.detach(), dtype=dtype) if list(p.shape) == shape
+                     else torch.zeros(shape, dtype=dtype, device=p.device))
+                fresh.append((held, k, t))
+            targets.append(local(t))
+    targets += trainer.strategy.replica_state()
+    # A receiver fills buffers of its own and puts them in place only once all of them arrived.
+    tensors = targets if me == src else [torch.empty_like(t) for t in targets]
+    half = len(tensors) // 2
+    _bcast(pg, tensors[:half], src)
+    if midway is not None:
+        midway()
+    _bcast(pg, tensors[half:], src)
+    if me == src:
+        return
+    for old, new in zip(targets, tensors):
+        old.copy_(new)
+    for held, k, t in fresh:
+        held[k] = t
+    for p, entry in zip(params, layout["state"]):
+        for k, (kind, *rest) in entry.items():
+            if kind == "v":
+                opt.state[p][k] = rest[0]
     for group, hyper in zip(opt.param_groups, layout["groups"]):
         for k, v in hyper.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
@@ -127,14 +154,26 @@ class ReplicaGroup:
 
     def begin_step(self, trainer: Any) -> bool:
         """At a step boundary: form a new quorum when one is due (a failure, a joiner, the
-        start) and take its source's state. True when the state was replaced."""
+        start) and take its source's state; a heal a member died inside leaves every state as it
+        was, and the quorum forms again without the dead. True when the state was replaced."""
         if not self.q.reform:
             return False
         t0 = time.perf_counter()
-        q: Quorum = self.q.form(trainer.train_state.step)
-        src, me = q.source, q.members.index(self.q.group)
-        before = trainer.train_state.step
-        heal(trainer, self.q.pg, src, me)
+        while True:
+            q: Quorum = self.q.form(trainer.train_state.step)
+            src, me = q.source, q.members.index(self.q.group)
+            before = trainer.train_state.step
+            behind = [s != q.steps[src] for s in q.steps]  # whose state this heal moves
+            hook = trainer.faults.heal_hook(q.steps[src], me == src) if any(behind) and (
+                me == src or behind[me]) else None
+            try:
+                heal(trainer, self.q.pg, src, me, hook)
+                break
+            except RuntimeError as e:  # gloo: a member died inside the broadcast
+                self.q.reform, self.q.pg = True, None  # its connections close now
+                print(f"allhands: replica group {self.q.group}: the heal in quorum {q.qid} failed "
+                      f"({str(e).splitlines()[0][:160]}); state untouched, re-forming",
+                      file=sys.stderr, flush=True)
         took = time.perf_counter() - t0
         self.healed_at.append({"quorum": q.qid, "members": list(q.members), "from_group": q.members[src],
                                "step": trainer.train_state.step, "seconds": round(took, 4)})

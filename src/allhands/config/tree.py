@@ -166,7 +166,8 @@ class FaultConfig:
     nonfinite: str = _f("skip", "on a NaN/Inf loss or gradient: skip (the update), rollback, or stop")
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
-                         "exception, oom, hang, nan, ckpt (kill during the checkpoint write), "
+                         "exception, oom, hang, nan, ckpt (kill during the checkpoint write), heal-source|"
+                         "heal-joiner (kill amid a replica-mode heal, as its source or as a joiner), "
                          "flake (gloo's connectFullMesh error before the first step), slow=F "
                          "(from STEP on, every step F times as long: a straggler), launcher-SIGNAL "
                          "(the rank sends SIGNAL to its launcher during STEP: a stop at that step)")

@@ -27,16 +27,17 @@ import torch.distributed as dist
 from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
-from allhands.errors import ConfigError, LaunchError
+from allhands.errors import LaunchError
+from allhands.launch.replica_nodes import run_replica_nodes
 
 
 def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch: Callable,
                  entry: Callable, group_spec: Any, policy: Any) -> None:
     """Run ``nproc`` replica groups of ``group_spec.nproc`` workers each until they complete; LaunchError when
     every group failed for good (each one's restarts used up)."""
-    if multi_node:
-        raise ConfigError("fault.mode: replica runs on one node for now; use fault.mode=restart "
-                          "for a multi-node job")
+    if multi_node:  # every node's groups meet in one quorum store on node 0
+        return run_replica_nodes(cfg, nproc, job, launch=launch, entry=entry, group_spec=group_spec,
+                                 policy=policy)
     run_dir = Path(cfg.run.dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.parallel.timeout_s))

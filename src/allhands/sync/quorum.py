@@ -6,7 +6,11 @@ The shape is torchft's (Manager + Lighthouse, github.com/pytorch/torchft): each 
 its own torch elastic world, and the groups meet per step in a quorum. Here the quorum lives in a
 store (authstore.py: every value MAC'd under a secret only the job holds) instead of a lighthouse
 service, and the all-reduce runs on a ``ProcessGroupGloo`` made for that quorum's id over a
-``PrefixStore``, a new one per membership change.
+``PrefixStore``, a new one per membership change. Its connection records travel through the
+MAC'd store, and before any tensor crosses it every member proves the job's replica secret over
+the group itself (admission.py ``admit_peers``), as every process group of a worker's own world
+is admitted (mesh.py). ``address``: where this group's gloo listens (another node's groups dial
+it), by default where gloo's environment says.
 
 Keys (all under the store given):
 - ``q/E/m/G``: group G's registration for quorum E (its step and incarnation); ``q/E/members``
@@ -45,6 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from allhands.admission import admit_peers
 
 
 class QuorumFinished(Exception):
@@ -91,8 +97,10 @@ class ReplicaQuorum:
 
     def __init__(self, store: dist.Store, group: int, n_groups: int, *, timeout_s: float,
                  dead_s: float, pg_timeout_s: float, min_groups: int = 1,
-                 local_group: dist.ProcessGroup | None = None):
+                 local_group: dist.ProcessGroup | None = None, secret: str | None = None,
+                 address: str = ""):
         self.store, self.group, self.n, self.min_groups = store, group, n_groups, min_groups
+        self.secret, self.address = secret, address  # no secret: --insecure, nothing to prove
         self.timeout_s, self.dead_s, self.pg_timeout_s = timeout_s, dead_s, pg_timeout_s
         # ``local_group``: this group's own world when it has several ranks (they share one
         # incarnation, made by local rank 0, and agree on when to re-form).
@@ -188,9 +196,21 @@ class ReplicaQuorum:
             self.store.set("epoch", str(e))  # the winner may have died before it said so
 
     def _group(self, q: Quorum) -> dist.ProcessGroup:
+        """The quorum's gloo group (of this local rank's peers: worker L of every member), its
+        members admitted: a stranger that took a member's place (its records in the store, or its
+        connection) is refused before any gradient is summed."""
         prefix = dist.PrefixStore(f"pg/{q.qid}/" + (f"{self.rank}/" if self.ranks > 1 else ""), self.store)
-        return dist.ProcessGroupGloo(prefix, q.members.index(self.group), len(q.members),
-                                     datetime.timedelta(seconds=self.pg_timeout_s))
+        rank, size = q.members.index(self.group), len(q.members)
+        timeout = datetime.timedelta(seconds=self.pg_timeout_s)
+        if self.address:  # not GLOO_SOCKET_IFNAME: a group's own world is pinned to loopback
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout, opts._devices = timeout, [dist.ProcessGroupGloo.create_device(hostname=self.address)]
+            pg = dist.ProcessGroupGloo(prefix, rank, size, opts)
+        else:
+            pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        if self.secret:
+            admit_peers(torch.device("cpu"), pg, secret=self.secret)
+        return pg
 
     # -- one step
     def allreduce(self, grads: list[torch.Tensor], step: int) -> bool:

@@ -1,0 +1,132 @@
+"""Replica mode across nodes: every node runs its own replica groups (one single-node launcher
+each, as launch/replicas.py does on one node), and all of them meet in one quorum store that
+node 0 hosts where a multi-node job's rendezvous would be: the ``--rdzv-endpoint`` address and
+port (``--bind`` wins), bound to that one address (listeners.py), its values MAC'd under a secret
+derived from the job secret every node already holds.
+
+Group ``G`` of the job is local group ``g`` of node ``r``: ``G = r * nproc + g``. Each group's own
+world (its agent, rendezvous and worker store) stays on loopback; only the quorum's gloo group
+crosses nodes, listening on this node's address (``--local-addr``, else ``--bind``, else the
+address on the route to node 0), and its members prove the replica secret over it before any
+tensor crosses (sync/quorum.py). Node 0 keeps the store up until every node said its groups
+ended (or ``parallel.timeout_s`` after its own did), so a slower node can still finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from allhands import admission
+from allhands.authstore import sealed
+from allhands.checkpoint.heal import group_dir
+from allhands.config import Config
+from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
+from allhands.errors import LaunchError
+from allhands.launch.listeners import bind_socket, is_wildcard, resolve
+
+_LABEL = b"allhands-replica-quorum-v1"
+
+
+def replica_secret(job_secret: str | None) -> str | None:
+    """The quorum's secret, the same on every node: an HMAC of the job secret (kept apart from
+    its other uses); None with --insecure."""
+    return hmac.new(job_secret.encode(), _LABEL, hashlib.sha256).hexdigest() if job_secret else None
+
+
+def quorum_endpoint(spec: Any) -> tuple[str, int]:
+    """Where node 0 hosts the quorum store: ``--rdzv-endpoint``'s address and port."""
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    return resolve(host.strip("[]")), int(port)
+
+
+def local_address(spec: Any, quorum_host: str) -> str:
+    """This node's address for the quorum's gloo connections (what other nodes dial)."""
+    if spec.local_addr:
+        return resolve(spec.local_addr, "--local-addr")
+    if spec.bind and not is_wildcard(spec.bind):
+        return spec.bind
+    family = socket.AF_INET6 if ":" in quorum_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((quorum_host, 9))  # a UDP connect sends nothing; it only picks the route
+        return s.getsockname()[0]
+
+
+def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: Callable,
+                      group_spec: Any, policy: Any) -> None:
+    """This node's ``nproc`` replica groups of a multi-node replica-mode job, until they end;
+    LaunchError when every one of them failed for good."""
+    spec = group_spec  # the job's launch spec with nproc=1: node rank, endpoint, addresses
+    host, port = quorum_endpoint(spec)
+    secret = replica_secret(admission.job_secret(multi_node=True, secret_file=spec.secret_file,
+                                                 insecure=spec.insecure, env=os.environ))
+    address = local_address(spec, host)
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    master = None
+    if spec.node_rank == 0:
+        sock = bind_socket(spec.bind or host, port, "replica quorum store")
+        master = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                               master_listen_fd=sock.detach())
+    store = sealed(dist.TCPStore(host, port, is_master=False, timeout=timeout), secret,
+                  f"replica quorum store at {host}:{port}")
+    one_node = dataclasses.replace(spec, nnodes=1, node_rank=0, rdzv_endpoint="", local_addr="",
+                                   bind="", min_nodes=0, rdzv_store="node0", secret_file="")
+    groups = nproc * spec.nnodes
+    mine = [spec.node_rank * nproc + g for g in range(nproc)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_node_group, name=f"allhands-replica-{g}",
+                         args=(cfg.to_dict(), job, g, f"{g},{groups},{host},{port},{address}", secret or "",
+                               launch, entry, one_node, policy)) for g in mine]
+    for p in procs:
+        p.start()
+    print(f"allhands: replica mode: node {spec.node_rank} runs replica groups "
+          f"{', '.join(map(str, mine))} of {groups}; quorum store at {host}:{port}; gloo on {address}",
+          file=sys.stderr, flush=True)
+    for p in procs:
+        p.join()
+    store.set(f"node/{spec.node_rank}/ended", "1")
+    if master is not None:  # the others' groups may still be finishing against this store
+        _wait_for_nodes(store, spec.nnodes, cfg.parallel.timeout_s)
+    failed = [g for g, p in zip(mine, procs) if p.exitcode != 0]
+    if len(failed) == len(procs):
+        raise LaunchError(f"every replica group of node {spec.node_rank} failed "
+                          f"({', '.join(map(str, failed))}); see the lines above and "
+                          f"{Path(cfg.run.dir) / 'logs'}")
+    if failed:
+        print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
+              f"the others completed the job", file=sys.stderr, flush=True)
+
+
+def _wait_for_nodes(store: dist.Store, nnodes: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.check([f"node/{r}/ended" for r in range(nnodes)]):
+            return
+        time.sleep(0.2)
+
+
+def _node_group(cfg_dict: dict, job: Any, group: int, coordinates: str, secret: str, launch: Callable,
+                entry: Callable, one_node: Any, policy: Any) -> None:
+    """One replica group of this node: its quorum's coordinates and secret go to its workers
+    through the environment (env.py ``replica_env``)."""
+    os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
+    cfg = Config.from_dict(cfg_dict)
+    where = group_dir(Path(cfg.run.dir), group)
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        launch(entry, (cfg_dict, job), one_node, threads=cfg.run.threads, log_dir=where / "logs",
+               policy=policy, run_dir=where)
+    except LaunchError as e:
+        print(f"allhands: replica group {group}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
