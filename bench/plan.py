@@ -155,7 +155,8 @@ def published() -> list[float]:
         d = gpus // (t * p)
         cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
                       "model.seq_len=2048", "model.vocab_size=51200", "model.bias=true",
-                      "model.tie_embeddings=true", "run.precision=bf16", f"run.global_batch={batch}")
+                      "model.tie_embeddings=true", "run.precision=bf16", f"run.global_batch={batch}",
+                      f"run.micro_batches={batch // d if p == 1 else 1}")  # sequences of one
         layout = Layout(d, 1, t, p, 0, batch // d if p > 1 else 1, "block", False)
         est = estimate(cfg, layout, parse_cluster(f"a100:{gpus // 8}"), True, attention="materialized",
                        overlap_dp=False)
@@ -165,7 +166,7 @@ def published() -> list[float]:
         ratios.append(est.mfu / pub)
         print(f"{f'GPT {params}B t{t} p{p} d{d}, {gpus} A100':<40} {100 * est.mfu:>12.1f}% {100 * pub:>5.1f}% "
               f"{est.mfu / pub:>11.2f}  Narayanan et al. 2021 Table 1 ({tflops} TFLOP/s, "
-              f"pred {est.mfu * counted / model * 312:.0f})")
+              f"pred {est.mfu * counted / model * 312:.0f}){' [planner: does not fit]' if est.reason else ''}")
     print("MFU = model FLOPs (no recomputation) / step time / datasheet peak (H100 SXM 989, A100 312 "
           "bf16 TFLOP/s); target: predicted within 25% of published")
     return ratios
