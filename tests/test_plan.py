@@ -56,7 +56,15 @@ def test_plan_memory_matches_measured_state(token_dir, tmp_path):
     estimates = [e for e in plan(cfg, cluster, compile_options=(False,), ac_options=("none",))
                  if e.layout in wanted]
     assert len(estimates) == len(wanted) and all(e.feasible for e in estimates)
-    for c in check(cfg, estimates, cluster, steps=2):
+    fresh = []  # check predicts each layout again right before it runs (plan --check recalibrates there)
+
+    def refresh(est):
+        fresh.append(estimate(cfg, est.layout, cluster, False))
+        return fresh[-1]
+
+    checked = check(cfg, estimates, cluster, steps=2, refresh=refresh)
+    assert [c.estimate for c in checked] == fresh and len(fresh) == len(wanted)
+    for c in checked:
         assert c.state_error() <= 0.10, c.row()
 
 
