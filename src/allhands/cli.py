@@ -233,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            top=args.top, as_json=args.json))
         return 0
     if args.cluster.partition(",")[0].partition(":")[0] == "local":
-        from allhands.plan.calibrate import calibrate
+        from allhands.plan.calibrate import calibrate, recalibrated
 
         calibrate(args.nproc)  # once per machine: gloo, step overheads, worker memory (cached)
     if args.check:
@@ -244,7 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               f"(or pass --cluster local)")
         cluster = parse_cluster("local", args.nproc)
         rows = check(cfg, plan(cfg, cluster, compile_options=(False,), ac_options=("none",)),
-                     cluster, steps=args.steps)
+                     cluster, steps=args.steps, refresh=recalibrated(cfg, args.nproc))
         print(json.dumps([c.row() for c in rows], indent=1) if args.json else format_check(rows))
         return 0
     cluster = parse_cluster(args.cluster, args.nproc)

@@ -286,18 +286,10 @@ def _gpt_costs(n_layer: int, n_embd: int, threads: int, reps: int = 30) -> tuple
         torch.set_num_threads(before)
 
 
-def probe_steps(nproc: int, steps: int = 8) -> dict:
-    """What a step costs beyond its modelled matmuls: eager ops per block and the update per
-    parameter from the reference GPTs timed in this process (the fastest of many: robust to
-    load), and the trainer's own per-step cost as the least that three 1-worker training runs
-    through the launcher leave over; the worker's resident set beyond its modelled tensors."""
+def _step_configs(threads: int) -> list:
     from allhands.config import Config, apply_override
-    from allhands.plan.check import QUIET, run_layout
-    from allhands.plan.cluster import local_cluster
-    from allhands.plan.estimate import Layout, estimate
-    from allhands.plan.localtime import gemm_seconds
+    from allhands.plan.check import QUIET
 
-    threads = max(1, (os.cpu_count() or 1) // nproc)  # as each of the nproc workers will run
     cfgs = []
     for n_layer, n_embd in STEP_RUNS:
         cfg = Config()
@@ -305,11 +297,36 @@ def probe_steps(nproc: int, steps: int = 8) -> dict:
                      "model.seq_len=16", "run.global_batch=12", f"run.threads={threads}", *QUIET):
             apply_override(cfg, item)
         cfgs.append(cfg)
+    return cfgs
+
+
+def probe_step_costs(nproc: int) -> dict:
+    """Eager ops per block and the update per parameter, from the reference GPTs timed in this
+    process (the fastest of many: robust to load) less their modelled matmuls."""
+    from allhands.plan.localtime import gemm_seconds
+
+    threads = max(1, (os.cpu_count() or 1) // nproc)  # as each of the nproc workers will run
+    cfgs = _step_configs(threads)
     costs = [_gpt_costs(n_layer, n_embd, threads) for n_layer, n_embd in STEP_RUNS]
     gemm = [gemm_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads) for cfg in cfgs]
     (p2, u2, n2), (p4, _, _), (_, u128, n128) = costs
-    per_block = max(0.0, ((p4 - gemm[1]) - (p2 - gemm[0])) / 2)
-    per_param = max(0.0, (u128 - u2) / (n128 - n2))
+    return {"step_per_block": max(0.0, ((p4 - gemm[1]) - (p2 - gemm[0])) / 2),
+            "step_per_param": max(0.0, (u128 - u2) / (n128 - n2))}
+
+
+def probe_steps(nproc: int, steps: int = 8) -> dict:
+    """probe_step_costs, and the trainer's own per-step cost as the least that three 1-worker
+    training runs through the launcher leave over; the worker's resident set beyond its
+    modelled tensors."""
+    from allhands.plan.check import run_layout
+    from allhands.plan.cluster import local_cluster
+    from allhands.plan.estimate import Layout, estimate
+    from allhands.plan.localtime import gemm_seconds
+
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    got_costs = probe_step_costs(nproc)
+    per_block, per_param = got_costs["step_per_block"], got_costs["step_per_param"]
+    cfgs = _step_configs(threads)
     residual, runtime = [], []
     cluster = local_cluster(1, calibrated=False)
     with tempfile.TemporaryDirectory(prefix="allhands-calibrate-") as tmp:
@@ -317,20 +334,27 @@ def probe_steps(nproc: int, steps: int = 8) -> dict:
             est = estimate(cfg, Layout(1, 1, 1, 1, 0), cluster, False)
             got = run_layout(cfg, est, 1, Path(tmp) / f"run-{i}", steps)  # its best step, as check's
             numel = sum(est.state_rank) / 16  # fp32 parameters + gradients + two AdamW moments
-            residual.append(got.step_time - gemm[i] - per_block * cfg.model.n_layer - per_param * numel)
+            gemm = gemm_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads)
+            residual.append(got.step_time - gemm - per_block * cfg.model.n_layer - per_param * numel)
             runtime.append(got.peak - (est.memory["total"] - est.memory["buffers"]))
     return {"step_fixed": max(0.0, min(residual)), "step_per_block": per_block, "step_per_param": per_param,
             "runtime": statistics.median(runtime)}
 
 
-def calibrate(nproc: int, *, force: bool = False) -> dict:
-    """The calibration for ``nproc`` workers: cached, else measured (about a minute) and cached."""
+def calibrate(nproc: int, *, force: bool = False, probes_only: bool = False) -> dict:
+    """The calibration for ``nproc`` workers: cached, else measured (about a minute) and cached.
+    ``probes_only`` measures the probes again (gloo, the frameworks, contention, the per-block and
+    per-parameter costs) and keeps the cached figures of the three launcher runs (the trainer's
+    fixed cost per step and the worker's resident set), which take most of the minute."""
     if not force and (hit := cached_calibration(nproc)) is not None:
         return hit
-    print(f"allhands plan: measuring this machine for {nproc} workers once (about a minute; "
-          f"cached in {calibration_path()})", file=sys.stderr, flush=True)
-    result = {**probe_comm(max(2, nproc)), **probe_steps(nproc), "measured_at": time.time(),
-              "statistic": STATISTIC}
+    kept = cached_calibration(nproc) if probes_only else None
+    print(f"allhands plan: measuring this machine for {nproc} workers{'' if kept else ' once'} "
+          f"(about a minute; cached in {calibration_path()})", file=sys.stderr, flush=True)
+    steps = ({**kept, **probe_step_costs(nproc)} if kept else probe_steps(nproc))
+    result = {**probe_comm(max(2, nproc)), "step_fixed": steps["step_fixed"],
+              "step_per_block": steps["step_per_block"], "step_per_param": steps["step_per_param"],
+              "runtime": steps["runtime"], "measured_at": time.time(), "statistic": STATISTIC}
     path = calibration_path()
     try:
         table = json.loads(path.read_text())
@@ -345,3 +369,18 @@ def calibrate(nproc: int, *, force: bool = False) -> dict:
     except OSError:
         pass
     return result
+
+
+def recalibrated(cfg, nproc: int):
+    """``check``'s ``refresh`` for this machine: before each layout runs, the probes are measured
+    again (``probes_only``) and the layout predicted from them, so that a prediction and the run
+    it is checked against see the same load of other processes, not the load of minutes before."""
+    from allhands.plan.cluster import local_cluster  # plan.cluster imports the calibration's cache
+    from allhands.plan.estimate import estimate
+
+    def refresh(est):
+        calibrate(nproc, force=True, probes_only=True)
+        bf16 = cfg.run.precision == "bf16"
+        return estimate(cfg, est.layout, local_cluster(nproc), bf16)
+
+    return refresh

@@ -9,6 +9,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from allhands.config import Config, apply_override
 from allhands.launch.launcher import LaunchSpec, train_job
@@ -66,13 +67,16 @@ def run_layout(cfg: Config, est: Estimate, nproc: int, run_dir: Path, steps: int
 
 
 def check(cfg: Config, estimates: list[Estimate], cluster: Cluster, *, steps: int = 6,
-          limit: int = 0) -> list[Checked]:
+          limit: int = 0, refresh: Callable[[Estimate], Estimate] | None = None) -> list[Checked]:
     """Run every feasible estimate (at most ``limit`` when > 0) on ``cluster.per_node`` local
-    workers, each in its own run directory under a temporary folder."""
+    workers, each in its own run directory under a temporary folder. ``refresh``, when given,
+    predicts each layout again right before it runs (calibrate.recalibrated: the machine measured
+    anew), so that on a shared machine the prediction and the run see the same load."""
     todo = [e for e in estimates if e.feasible][: limit or None]
     out = []
     with tempfile.TemporaryDirectory(prefix="allhands-plan-check-") as tmp:
         for i, est in enumerate(todo):
+            est = refresh(est) if refresh else est
             out.append(run_layout(cfg, est, cluster.per_node, Path(tmp) / f"layout-{i}", steps))
     return out
 

@@ -31,6 +31,12 @@ ACT_PER_BLOCK = {"none": 17, "selective": 10, "block": 1}
 # and what per-block compile leaves (one fused kernel per chain of element-wise ops).
 OPS_PER_BLOCK = {False: 60, True: 16}
 EW_PASSES = {False: 40, True: 14}
+# Attention without a fused kernel (Megatron-LM's of 2021: baddbmm, FusedScaleMaskSoftmax, dropout,
+# bmm) stores the T x T scores per head and reads and writes them in element-wise kernels: forward,
+# the softmax (read, write) and the dropout (read, write, a 1-byte mask), 4.5 passes; backward, the
+# dropout's (grad and mask in, grad out) and the softmax's (probabilities and grad in, grad out), 5.5.
+SCORE_PASSES_FWD = 4.5
+SCORE_PASSES = SCORE_PASSES_FWD + 5.5
 
 
 @dataclass(frozen=True)
@@ -150,14 +156,15 @@ def train_state(layout: Layout, p: float, tensors: int, adam: int) -> dict[str, 
 
 
 def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units: int, compute: float,
-            bf16: bool) -> tuple[float, float]:
+            bf16: bool, overlap: bool = True) -> tuple[float, float]:
     """(seconds of data-parallel communication per step, the part of it backward/forward cannot
-    hide) for ``pbytes`` of fp32 parameters in ``tensors`` tensors and ``units`` FSDP units."""
+    hide) for ``pbytes`` of fp32 parameters in ``tensors`` tensors and ``units`` FSDP units;
+    without ``overlap`` the all-reduce runs after backward, all of it exposed."""
     n, lat = layout.dp_shard, cluster.latency
     dp_bw = _bw(cluster, layout, "dp_shard" if layout.zero >= 2 else "dp")
     if layout.zero <= 1:
         reduce = _ring("allreduce", pbytes, layout.dp) / dp_bw + lat * max(1, pbytes // 25e6)
-        exposed = reduce - min(reduce * (1 - 1 / max(1, pbytes // 25e6 + 1)), compute * 2 / 3)
+        exposed = reduce - min(reduce * (1 - 1 / max(1, pbytes // 25e6 + 1)), compute * 2 / 3) * overlap
         if layout.zero == 1:  # ZeroRedundancyOptimizer hands each owner's updated parameters on
             bcast = _ring("allgather", pbytes, n) / dp_bw + lat * tensors
             reduce, exposed = reduce + bcast, exposed + bcast
@@ -170,7 +177,11 @@ def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units
     return reduce, max(reduce - compute, reduce / units)  # prefetch hides all but about one unit
 
 
-def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estimate:
+def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, attention: str = "fused",
+             overlap_dp: bool = True) -> Estimate:
+    """``attention="materialized"`` and ``overlap_dp=False`` describe other software than allhands
+    (bench/plan.py's published runs): attention computed over a stored T x T score matrix instead
+    of a fused kernel (SDPA, FlashAttention), and DDP's all-reduce after backward, not during it."""
     m, r = cfg.model, cfg.run
     c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
     est = Estimate(layout)
@@ -214,6 +225,9 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estim
     recompute = max(blocks) * layer_flops / 3 if layout.ac == "block" else 0.0
     ew = EW_PASSES[layout.compile] * tokens_mb * c / tp * act_bytes * max(blocks) / cluster.mem_bw
     ops = (OPS_PER_BLOCK[layout.compile] * max(blocks) + 30) * cluster.op_overhead
+    if attention == "materialized":  # element-wise passes over (mb, heads, T, T) per block
+        passes = SCORE_PASSES + (SCORE_PASSES_FWD if layout.ac == "block" else 0.0)
+        ew += passes * mb * (m.n_head // tp) * t * t * act_bytes * max(blocks) / cluster.mem_bw
     t_mb = (stage_flops + recompute) / (peak * cluster.gemm_eff) + ew + ops
     compute = r.micro_batches * layout.microbatches * t_mb
     bubble = r.micro_batches * (pp - 1) * t_mb
@@ -221,7 +235,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool) -> Estim
     numel0, tensors0 = stage_params(cfg, pp, tp, 0)
     pbytes = 4.0 * numel0
     lat = cluster.latency
-    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16)
+    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16, overlap_dp)
     tp_comm = 0.0
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
         per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat
