@@ -307,3 +307,33 @@ def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, t
     # every push of the restarted attempt applied: from step 2, or from the start when worker 0
     # died before the step-2 save committed
     assert stats["pushes"] == stats["updates"] in (2 * (cfg.run.steps - 2), 2 * cfg.run.steps)
+
+
+def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
+    """Replica mode (launch/psgroups.py): SIGKILL of worker 1 in step 3 of 8, ssp with a bound of
+    1. Its own agent restarts it alone: the server and worker 0 keep their processes (the one
+    server saw worker 0 join once and worker 1 twice, from two pids) and worker 0 keeps training
+    while worker 1 is away (the dead worker no longer paces ssp); the replacement resumes from
+    its own step-2 checkpoint, pulls, and pushes steps 3..8. Every push that arrived was applied
+    once: the step-3 push never left the dead process, so each worker pushed 8 steps."""
+    steps = 8
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=ssp", "ps.max_staleness=1",
+                      f"run.steps={steps}", "log.interval=8", "checkpoint.interval=2", "checkpoint.mode=sync", "fault.mode=replica",
+                      "fault.inject=1:3:SIGKILL", "fault.max_restarts=1", "fault.backoff_s=0")
+    done = train_job(cfg, LaunchSpec(nproc=3))
+    run_dir = Path(done.run.dir)
+    assert (run_dir / "faults" / "1-3-SIGKILL").exists()
+    (stats,) = _servers(done)
+    (lost,) = stats["lost"]
+    assert lost[0] == 1
+    joins = {k: [(life, pid) for w, life, pid, _ in stats["joins"] if w == k] for k in (0, 1)}
+    assert [life for life, _ in joins[0]] == [1] and [life for life, _ in joins[1]] == [1, 2]
+    assert joins[1][0][1] != joins[1][1][1]  # a new process
+    rejoined = [t for w, life, _, t in stats["joins"] if (w, life) == (1, 2)][0]
+    assert rejoined > lost[1]
+    pushes = {int(k): t for k, t in stats["push_t"].items()}
+    assert sum(t > lost[1] for t in pushes[0]) >= steps - 4  # worker 0 went on without worker 1
+    assert len(pushes[0]) == len(pushes[1]) == steps and sum(t > rejoined for t in pushes[1]) == steps - 2
+    assert stats["updates"] == stats["pushes"] == 2 * steps
+    assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
+    assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps

@@ -111,9 +111,11 @@ def worker_environment(secret: str | None) -> dict[str, str | None]:
 # --------------------------------------------------------------------------- worker side
 
 
-def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None, secret: str | None = None) -> None:
     """Prove this worker holds the job secret and check every peer's proof; raises
-    :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective."""
+    :class:`AdmissionError` (after logging it) if any peer fails. Call before any collective.
+    ``secret``: the one a group between torch worlds proves instead, since each world's launcher
+    has its own (launch/psgroups.py)."""
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return  # new_group hands this to ranks outside the group: nothing to check here
     # A group's own size and rank: it may be a group not registered with the default one (the
@@ -121,7 +123,8 @@ def admit_peers(device: torch.device, group: dist.ProcessGroup | None = None) ->
     world = group.size() if group is not None else dist.get_world_size()
     if world == 1:
         return
-    secret, insecure, master = worker_admission_env()
+    own, insecure, master = worker_admission_env()
+    secret = secret or own
     rank = group.rank() if group is not None else dist.get_rank()  # proofs bind the rank within this group
     if not secret:
         if insecure:

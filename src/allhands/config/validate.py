@@ -259,6 +259,10 @@ def _validate_replica(cfg: Config) -> None:
     _check(f.min_groups >= 1, "fault.min_groups", "must be >= 1", f.min_groups)
     if f.mode != "replica":
         return
+    if p.sync == "ps":  # every ps worker restarts alone (launch/psgroups.py); its checks: _validate_ps
+        _check(cfg.ps.mode != "sync", "fault.mode", "replica needs ps.mode=async or ssp (sync mode "
+               "waits for every worker each step); use fault.mode=restart", f.mode)
+        return
     for name, value, plain in (("parallel.dp_shard", p.dp_shard, 1), ("parallel.tp", p.tp, 1),
                                ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0),
                                ("parallel.sync", p.sync, "allreduce"), ("sync.compress", cfg.sync.compress, "none")):
