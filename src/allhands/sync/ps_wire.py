@@ -144,10 +144,3 @@ class Wire:
         pg, rank = self.links[peer]
         return pg.recv([t], rank, tag)
 
-
-def send(pg: dist.ProcessGroup, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
-    return pg.send([t], dst, tag)
-
-
-def recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-    return pg.recv([t], src, tag)
