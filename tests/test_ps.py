@@ -279,34 +279,34 @@ def test_table_built_on_meta_lives_on_the_servers_only_and_ssp_bounds_staleness(
     assert 0 < stats["rows_pushed"] <= 2 * cfg.run.steps * 6 * 4  # 6 samples of 4 ids per step
 
 
-def test_killed_worker_then_server_is_recovered_exactly_in_sync_mode(token_dir, tmp_path):
-    """SIGKILL of worker 1 in step 3, then, in the restarted attempt, of the server (rank 2) in
-    its 4th update: each time torch's elastic agent restarts every process, the workers resume
-    from the step-2 checkpoint and the server restores its shard saved there, so the job ends on
-    the single-process reference."""
+def test_killed_server_is_recovered_exactly_in_sync_mode(token_dir, tmp_path):
+    """SIGKILL of the server (rank 2) while it applies update 3: torch's elastic agent restarts
+    every process, the workers resume from the step-2 checkpoint (saved synchronously, so
+    committed before step 3) and the server restores its shard saved there, so the job ends on
+    the single-process reference. A worker's death takes the same path (every process restarts
+    from the checkpoint); the resume's exactness is test_sync_mode_matches_single_process..."""
     cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "checkpoint.interval=2",
-                      "fault.inject=1:3:SIGKILL,2:4:SIGKILL", "fault.max_restarts=2", "fault.backoff_s=0.1")
+                      "checkpoint.mode=sync", "data.eval_batches=0", "fault.inject=2:3:SIGKILL",
+                      "fault.max_restarts=1", "fault.backoff_s=0")
     done = train_job(cfg, LaunchSpec(nproc=3))
-    assert (Path(done.run.dir) / "faults" / "1-3-SIGKILL").exists()  # both did fire
-    assert (Path(done.run.dir) / "faults" / "2-4-SIGKILL").exists()
-    assert_matches_reference(done, "ps sync, worker killed at step 3, then the server at update 4")
+    assert (Path(done.run.dir) / "faults" / "2-3-SIGKILL").exists()
+    assert_matches_reference(done, "ps sync, the server killed at update 3")
 
 
 def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, tmp_path):
-    """Async mode: torch's elastic agent stops every process when one dies, so a killed worker
-    does not leave the others training; all restart from the last checkpoint (the servers from
-    their shards saved there) and the job finishes. Not exact: async updates race."""
+    """Async mode, restart mode: torch's elastic agent stops every process when one dies, so a
+    killed worker does not leave the others training; all restart from the last checkpoint (the
+    servers from their shards saved there) and the job finishes. Not exact: async updates race."""
     cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=async", "log.interval=4",
-                      "checkpoint.interval=2", "fault.inject=0:3:SIGKILL", "fault.max_restarts=1",
-                      "fault.backoff_s=0.1")
+                      "checkpoint.interval=2", "checkpoint.mode=sync", "data.eval_batches=0",
+                      "fault.inject=0:3:SIGKILL", "fault.max_restarts=1", "fault.backoff_s=0")
     done = train_job(cfg, LaunchSpec(nproc=3))
     run_dir = Path(done.run.dir)
     assert (run_dir / "faults" / "0-3-SIGKILL").exists()
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == cfg.run.steps
     (stats,) = _servers(done)
-    # every push of the restarted attempt applied: from step 2, or from the start when worker 0
-    # died before the step-2 save committed
-    assert stats["pushes"] == stats["updates"] in (2 * (cfg.run.steps - 2), 2 * cfg.run.steps)
+    # every push of the restarted attempt applied, from the step-2 checkpoint (saved synchronously)
+    assert stats["pushes"] == stats["updates"] == 2 * (cfg.run.steps - 2)
 
 
 def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):

@@ -58,6 +58,7 @@ class AnySource:
     mode), so none is ever lost here."""
 
     rejoins = False
+    fresh: set[int] = set()  # never a new incarnation here
 
     def __init__(self, pg: dist.ProcessGroup, roles: w.Roles):
         self.pg = pg
@@ -90,6 +91,7 @@ class Hub:
         self.life = [0] * roles.n_workers  # the incarnation linked, per worker
         self.turn: dict[int, threading.Semaphore] = {}
         self.closing: set[int] = set()
+        self.fresh: set[int] = set()  # newly linked incarnations, until the server saw a request
         self.queue: queue.Queue = queue.Queue()
         self.joins: list[list[int]] = []  # [worker, incarnation, pid, seconds since start]
         self.t0, self._polled = time.perf_counter(), 0.0
@@ -107,6 +109,7 @@ class Hub:
             self.wire.links[k] = (pg, 0)
             self.turn[k] = threading.Semaphore(0)
             self.closing.discard(k)
+            self.fresh.add(k)
             pid = int(self.store.get(f"pid/{k}/{life}"))
             self.joins.append([k, life, pid, round(time.perf_counter() - self.t0, 3)])
             threading.Thread(target=self._listen, args=(k, life, pg, self.turn[k]), daemon=True,

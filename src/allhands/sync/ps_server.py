@@ -190,6 +190,10 @@ class Server:
 
     def handle(self, src: int, hdr: torch.Tensor) -> None:
         flags, clock = int(hdr[0]), int(hdr[1])
+        if src in self.source.fresh:  # a new incarnation's first request: its predecessor's state is void
+            self.source.fresh.discard(src)
+            self.active.discard(src)
+            self.waiting = [r for r in self.waiting if r[0] != src]
         if flags & w.INIT:
             self._init(src, clock, int(hdr[5]))
             return
