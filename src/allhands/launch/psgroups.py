@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
-import secrets
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -25,8 +24,9 @@ import torch.distributed as dist
 
 from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
-from allhands.env import PS_ENV, REPLICA_SECRET_ENV
+from allhands.env import PS_ENV
 from allhands.errors import LaunchError
+from allhands.launch.replicas import start_with_secret
 
 
 def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: Callable,
@@ -46,16 +46,7 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         procs.append(ctx.Process(target=_group_main, name=f"allhands-ps-{g}",
                                  args=(cfg.to_dict(), job, g, workers + 1, store.port, launch, entry,
                                        group_spec, policy, where)))
-    saved = os.environ.get(REPLICA_SECRET_ENV)
-    os.environ[REPLICA_SECRET_ENV] = secrets.token_hex(32)  # inherited by the groups only
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop(REPLICA_SECRET_ENV, None)
-        else:
-            os.environ[REPLICA_SECRET_ENV] = saved
+    start_with_secret(procs)
     print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
           f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)
     for p in procs:
