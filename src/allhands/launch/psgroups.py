@@ -25,7 +25,7 @@ import torch.distributed as dist
 from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
 from allhands.env import PS_ENV
-from allhands.errors import LaunchError
+from allhands.errors import ConfigError, LaunchError
 from allhands.launch.replicas import start_with_secret
 
 
@@ -33,6 +33,9 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
                   policy: Any) -> None:
     """Run ``spec.nproc - ps.servers`` one-worker worlds and one world of the servers until they
     complete; LaunchError when the servers failed or every worker did."""
+    if spec.multi_node:  # the link store is on loopback, as replica mode's quorum store
+        raise ConfigError("fault.mode: replica with parallel.sync=ps runs on one node for now; use "
+                          "fault.mode=restart for a multi-node job")
     workers = spec.nproc - cfg.ps.servers
     run_dir = Path(cfg.run.dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
