@@ -2,10 +2,13 @@
 EmbeddingBag table (over 99% of the parameters) summed over 8 categorical fields, a small MLP
 on top, and clicks drawn from a planted logistic model over Zipf-like ids (Naumov et al. 2019,
 DLRM, without the dense features). The straggler benchmark runs the same model with a fixed
-"device time" per training step (``DeviceTimed``)."""
+"device time" per training step (``DeviceTimed``, ``RandomStraggler``), the server benchmark a
+wide model whose workers only sleep and move parameters (``WideModel``)."""
 
 from __future__ import annotations
 
+import os
+import random
 import time
 
 import torch
@@ -66,3 +69,51 @@ class DeviceTimed(nn.Module):
 
 def device_timed_model(cfg) -> nn.Module:
     return DeviceTimed()
+
+
+# The seeded-random straggler: every step one worker, drawn by a generator seeded with the step,
+# takes SLOW times the device time, the others DEVICE_S. Every worker draws the same one, so under
+# DDP every step lasts SLOW * DEVICE_S, while an asynchronous worker's mean step is
+# DEVICE_S * (1 + (SLOW - 1) / workers).
+SLOW = 3
+
+
+class RandomStraggler(nn.Module):
+    def __init__(self, workers: int):
+        super().__init__()
+        self.inner, self.workers, self.steps = ClickModel(), workers, 0
+        self.rank = int(os.environ.get("RANK", "0"))  # a worker's rank (ps: workers come first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:  # one forward per step (micro_batches = 1)
+            self.steps += 1
+            slow = random.Random(self.steps).randrange(self.workers) == self.rank
+            time.sleep(DEVICE_S * (SLOW if slow else 1))
+        return self.inner(x)
+
+
+def random_straggler_model(cfg) -> nn.Module:
+    return RandomStraggler(workers=3)
+
+
+# The server benchmark's model: WIDE_PARAMS parameters in one wide hidden layer after the table,
+# DEVICE_S of device time per step, and a CPU step that is small next to a server's update of
+# all of them (receive the gradient, AdamW, send the parameters back).
+WIDE = 2560
+
+
+class WideModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(DIM, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE), nn.ReLU(),
+                                 nn.Linear(WIDE, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(DEVICE_S)
+        return self.mlp(self.emb(x)).squeeze(-1)
+
+
+def wide_model(cfg) -> nn.Module:
+    return WideModel()

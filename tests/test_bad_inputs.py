@@ -134,6 +134,8 @@ CLI = [
     (["train", *T, "--set", "fault.mode=replica", "--set", "parallel.sync=diloco", "--set", "parallel.dp_shard=2",
       "--set", "parallel.zero=2"], 2, "parallel.dp_shard: 2 is not supported with fault.mode=replica"),
     (["train", *T, "--set", "fault.mode=hot"], 2, "fault.mode: 'hot' is not allowed"),
+    (["train", *T, "--set", "fault.mode=replica", "--set", "parallel.sync=ps"], 2,
+     "fault.mode: 'replica' is not allowed; replica needs ps.mode=async or ssp"),
     (["drill", "--faults", "0"], 2, "--faults: 0"),
     (["drill", "--nproc", "0", *T], 2, "--nproc: 0"),
     (["drill", "--faultz", "2"], 2, "did you mean --faults?"),

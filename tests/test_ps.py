@@ -279,31 +279,61 @@ def test_table_built_on_meta_lives_on_the_servers_only_and_ssp_bounds_staleness(
     assert 0 < stats["rows_pushed"] <= 2 * cfg.run.steps * 6 * 4  # 6 samples of 4 ids per step
 
 
-def test_killed_worker_then_server_is_recovered_exactly_in_sync_mode(token_dir, tmp_path):
-    """SIGKILL of worker 1 in step 3, then, in the restarted attempt, of the server (rank 2) in
-    its 4th update: each time torch's elastic agent restarts every process, the workers resume
-    from the step-2 checkpoint and the server restores its shard saved there, so the job ends on
-    the single-process reference."""
+def test_killed_server_is_recovered_exactly_in_sync_mode(token_dir, tmp_path):
+    """SIGKILL of the server (rank 2) while it applies update 3: torch's elastic agent restarts
+    every process, the workers resume from the step-2 checkpoint (saved synchronously, so
+    committed before step 3) and the server restores its shard saved there, so the job ends on
+    the single-process reference. A worker's death takes the same path (every process restarts
+    from the checkpoint); the resume's exactness is test_sync_mode_matches_single_process..."""
     cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "checkpoint.interval=2",
-                      "fault.inject=1:3:SIGKILL,2:4:SIGKILL", "fault.max_restarts=2", "fault.backoff_s=0.1")
+                      "checkpoint.mode=sync", "data.eval_batches=0", "fault.inject=2:3:SIGKILL",
+                      "fault.max_restarts=1", "fault.backoff_s=0")
     done = train_job(cfg, LaunchSpec(nproc=3))
-    assert (Path(done.run.dir) / "faults" / "1-3-SIGKILL").exists()  # both did fire
-    assert (Path(done.run.dir) / "faults" / "2-4-SIGKILL").exists()
-    assert_matches_reference(done, "ps sync, worker killed at step 3, then the server at update 4")
+    assert (Path(done.run.dir) / "faults" / "2-3-SIGKILL").exists()
+    assert_matches_reference(done, "ps sync, the server killed at update 3")
 
 
 def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, tmp_path):
-    """Async mode: torch's elastic agent stops every process when one dies, so a killed worker
-    does not leave the others training; all restart from the last checkpoint (the servers from
-    their shards saved there) and the job finishes. Not exact: async updates race."""
+    """Async mode, restart mode: torch's elastic agent stops every process when one dies, so a
+    killed worker does not leave the others training; all restart from the last checkpoint (the
+    servers from their shards saved there) and the job finishes. Not exact: async updates race."""
     cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=async", "log.interval=4",
-                      "checkpoint.interval=2", "fault.inject=0:3:SIGKILL", "fault.max_restarts=1",
-                      "fault.backoff_s=0.1")
+                      "checkpoint.interval=2", "checkpoint.mode=sync", "data.eval_batches=0",
+                      "fault.inject=0:3:SIGKILL", "fault.max_restarts=1", "fault.backoff_s=0")
     done = train_job(cfg, LaunchSpec(nproc=3))
     run_dir = Path(done.run.dir)
     assert (run_dir / "faults" / "0-3-SIGKILL").exists()
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == cfg.run.steps
     (stats,) = _servers(done)
-    # every push of the restarted attempt applied: from step 2, or from the start when worker 0
-    # died before the step-2 save committed
-    assert stats["pushes"] == stats["updates"] in (2 * (cfg.run.steps - 2), 2 * cfg.run.steps)
+    # every push of the restarted attempt applied, from the step-2 checkpoint (saved synchronously)
+    assert stats["pushes"] == stats["updates"] == 2 * (cfg.run.steps - 2)
+
+
+def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
+    """Replica mode (launch/psgroups.py): SIGKILL of worker 1 in step 3 of 8, ssp with a bound of
+    1. Its own agent restarts it alone: the server and worker 0 keep their processes (the one
+    server saw worker 0 join once and worker 1 twice, from two pids) and worker 0 keeps training
+    while worker 1 is away (the dead worker no longer paces ssp); the replacement resumes from
+    its own step-2 checkpoint, pulls, and pushes steps 3..8. Every push that arrived was applied
+    once: the step-3 push never left the dead process, so each worker pushed 8 steps."""
+    steps = 8
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=ssp", "ps.max_staleness=1",
+                      f"run.steps={steps}", "log.interval=8", "checkpoint.interval=2", "checkpoint.mode=sync", "fault.mode=replica",
+                      "fault.inject=1:3:SIGKILL", "fault.max_restarts=1", "fault.backoff_s=0")
+    done = train_job(cfg, LaunchSpec(nproc=3))
+    run_dir = Path(done.run.dir)
+    assert (run_dir / "faults" / "1-3-SIGKILL").exists()
+    (stats,) = _servers(done)
+    (lost,) = stats["lost"]
+    assert lost[0] == 1
+    joins = {k: [(life, pid) for w, life, pid, _ in stats["joins"] if w == k] for k in (0, 1)}
+    assert [life for life, _ in joins[0]] == [1] and [life for life, _ in joins[1]] == [1, 2]
+    assert joins[1][0][1] != joins[1][1][1]  # a new process
+    rejoined = [t for w, life, _, t in stats["joins"] if (w, life) == (1, 2)][0]
+    assert rejoined > lost[1]
+    pushes = {int(k): t for k, t in stats["push_t"].items()}
+    assert sum(t > lost[1] for t in pushes[0]) >= steps - 4  # worker 0 went on without worker 1
+    assert len(pushes[0]) == len(pushes[1]) == steps and sum(t > rejoined for t in pushes[1]) == steps - 2
+    assert stats["updates"] == stats["pushes"] == 2 * steps
+    assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
+    assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps

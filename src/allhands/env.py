@@ -23,6 +23,10 @@ group, of the store where the groups meet, and (across nodes) this node's addres
 gloo connections."""
 REPLICA_SECRET_ENV = "ALLHANDS_REPLICA_SECRET"
 """The secret every value of that store is MAC'd under (one per job, shared by its groups)."""
+PS_ENV = "ALLHANDS_PS"
+"""A parameter server in replica mode (launch/psgroups.py): ``GROUP,GROUPS,HOST,PORT``, this
+process's group (a worker's index, or GROUPS - 1: the servers) and the store where workers and
+servers link, MAC'd under the secret of ``REPLICA_SECRET_ENV``."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,19 @@ class ReplicaEnv:
 
 def replica_env() -> ReplicaEnv | None:
     """This worker's replica group and the quorum store, when launched in replica mode."""
+    return _group_env(REPLICA_ENV)
+
+
+def ps_env() -> ReplicaEnv | None:
+    """This process's group and the link store, when a parameter server runs in replica mode."""
+    return _group_env(PS_ENV)
+
+
+def _group_env(name: str) -> ReplicaEnv | None:
     e = os.environ
-    if not e.get(REPLICA_ENV):
+    if not e.get(name):
         return None
-    group, groups, host, port, *address = e[REPLICA_ENV].split(",")
+    group, groups, host, port, *address = e[name].split(",")
     return ReplicaEnv(int(group), int(groups), host, int(port), e.get(REPLICA_SECRET_ENV) or None,
                       address[0] if address else "")
 

@@ -168,13 +168,16 @@ class Mesh:
             return dist.group.WORLD
         return self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
 
-    def cross_role_group(self, store: dist.Store, rank: int, size: int,
-                         timeout_s: float) -> dist.ProcessGroup:
+    def cross_role_group(self, store: dist.Store, rank: int, size: int, timeout_s: float,
+                         secret: str | None = None) -> dist.ProcessGroup:
         """A gloo group over every rank of a job whose roles each have a default group of their
         own (parameter servers and their workers, sync/ps.py), for point-to-point traffic between
-        the roles. Not registered with the default group (whose world is one role); admitted."""
+        the roles. Not registered with the default group (whose world is one role); admitted,
+        under ``secret`` when it spans worlds of their own (admission.admit_peers)."""
         pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
-        return self._admitted(pg, torch.device("cpu"))
+        if self._admit:
+            admit_peers(torch.device("cpu"), pg, secret=secret)
+        return pg
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -21,12 +21,13 @@ from allhands.authstore import sealed
 from allhands.checkpoint import Checkpointer, committed
 from allhands.checkpoint.heal import ReplicaGroup, group_dir
 from allhands.config import Config, replica_group_config, validate
-from allhands.env import ReplicaEnv, replica_env, worker_env
+from allhands.env import ReplicaEnv, ps_env, replica_env, worker_env
 from allhands.errors import AllhandsError
 from allhands.faults import FaultInjector
 from allhands.mesh import Mesh
 from allhands.metrics import slow_phase
 from allhands.stopflag import FLAG, CleanStop
+from allhands.sync.ps_links import AnySource, Hub, Share
 from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
@@ -41,9 +42,9 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     if replica is not None:  # fault.mode = "replica": this world is one replica group (dp_shard
         cfg = replica_group_config(cfg)  # ranks); the groups meet in the quorum, not the mesh
     p = cfg.parallel
-    if env.attempt:  # an elastic restart may bring fewer workers: the batch must still divide
+    if env.attempt and ps_env() is None:  # an elastic restart may bring fewer workers: the batch must still divide
         validate(cfg, world_size=env.world_size, need_data=False)
-    rank, world, store = env.rank, env.world_size, None
+    rank, world, store, roles = env.rank, env.world_size, None, None
     t = time.time()
     if env.started_at:  # the agent's rendezvous, spawning this process, importing torch
         _say(env.rank, slow_phase(f"starting {env.world_size} workers", t - env.started_at))
@@ -51,7 +52,8 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
         roles = ps_roles(cfg.ps.servers, env.rank, env.world_size, p.timeout_s)
         if roles.server:
             return run_ps_server(cfg, roles, env.local_rank)
-        rank, world, store = roles.index, roles.size, roles.role_store
+        if roles.links is None:  # else (replica mode) this worker is a world of its own
+            rank, world, store = roles.index, roles.size, roles.role_store
         job = ps_job(cfg, job or Job())
     mesh = Mesh.build(rank=rank, world_size=world, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
@@ -60,7 +62,12 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
     try:
         if replica is not None:  # fault.mode = "replica": this process is one replica group
             return run_replica(cfg, job or Job(), mesh, replica)
-        trainer = Trainer(cfg, job or Job(), mesh, Path(cfg.run.dir))
+        run_dir = Path(cfg.run.dir)
+        member = p.sync == "ps" and roles.links is not None  # replica mode: a world of its own
+        trainer = Trainer(cfg, job or Job(), mesh, group_dir(run_dir, roles.index) if member else run_dir)
+        if member:  # its share of every batch; faults name the worker (sync/ps_links.py)
+            trainer.sampler = Share(trainer.sampler, roles.index, roles.n_workers)
+            trainer.faults = FaultInjector(cfg.fault.inject, roles.index, run_dir)
         _said_since(env.rank, "building the data, model and layout", t)
         result = trainer.fit()
         if p.sync == "ps":  # after the last evaluation, which fetches embedding rows too
@@ -123,7 +130,7 @@ def run_ps_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:
     """A parameter server (sync/ps_server.py): its shard saved beside the workers' checkpoints."""
     p, run_dir = cfg.parallel, Path(cfg.run.dir)
     mesh = Mesh.build(rank=roles.index, world_size=roles.size, local_rank=local_rank, device="cpu",
-                      backend="gloo", timeout_s=p.timeout_s, store=roles.role_store)
+                      backend="gloo", timeout_s=p.timeout_s, store=roles.role_store)  # None: env://
     ckpt = Checkpointer(run_dir / "ps-checkpoints", rank=roles.index, keep_last=cfg.checkpoint.keep_last,
                         mode="sync", meta={"config": cfg.to_dict(), "world_size": roles.world})
 
@@ -134,8 +141,9 @@ def run_ps_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:
         return bool(found)
 
     try:
-        pg = mesh.cross_role_group(roles.cross_store, roles.rank, roles.world, p.timeout_s)
-        return serve(cfg, roles, pg, run_dir, save=ckpt.save, load=load)
+        source = (Hub(roles, mesh, p.timeout_s) if roles.links is not None else
+                  AnySource(mesh.cross_role_group(roles.cross_store, roles.rank, roles.world, p.timeout_s), roles))
+        return serve(cfg, roles, source, run_dir, save=ckpt.save, load=load)
     finally:
         ckpt.close()
         mesh.destroy()

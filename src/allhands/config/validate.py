@@ -261,6 +261,10 @@ def _validate_replica(cfg: Config) -> None:
     _check(f.min_groups >= 1, "fault.min_groups", "must be >= 1", f.min_groups)
     if f.mode != "replica":
         return
+    if p.sync == "ps":  # every ps worker restarts alone (launch/psgroups.py); its checks: _validate_ps
+        _check(cfg.ps.mode != "sync", "fault.mode", "replica needs ps.mode=async or ssp (sync mode "
+               "waits for every worker each step); use fault.mode=restart", f.mode)
+        return
     if p.zero != 0 if p.dp_shard == 1 else p.zero not in (2, 3):
         raise ConfigError(f"parallel.zero: {p.zero!r} is not supported with fault.mode=replica and "
                           f"parallel.dp_shard={p.dp_shard} yet; set parallel.zero=0 with dp_shard=1 "

@@ -344,6 +344,10 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
     policy = restart_policy(cfg, spec)
     print(policy.describe(spec.multi_node), file=sys.stderr, flush=True)
+    if cfg.fault.mode == "replica" and cfg.parallel.sync == "ps":  # each ps worker restarts alone
+        from allhands.launch.psgroups import run_ps_groups  # start-up time, as below
+
+        return run_ps_groups(cfg, spec, job, launch=launch, entry=worker_entry, policy=policy)
     if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
         from allhands.launch.replicas import run_replicas  # start-up time: the trainer's modules
 

@@ -45,16 +45,7 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
     procs = [ctx.Process(target=_group_main, name=f"allhands-replica-{g}",
                          args=(cfg.to_dict(), job, g, nproc, store.port, launch, entry, group_spec,
                                policy)) for g in range(nproc)]
-    saved = os.environ.get(REPLICA_SECRET_ENV)
-    os.environ[REPLICA_SECRET_ENV] = secrets.token_hex(32)  # inherited by the groups only
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop(REPLICA_SECRET_ENV, None)
-        else:
-            os.environ[REPLICA_SECRET_ENV] = saved
+    start_with_secret(procs)
     print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s), quorum store on "
           f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
     for p in procs:
@@ -67,6 +58,21 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
         print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
               f"the others completed the job", file=sys.stderr, flush=True)
     del store
+
+
+def start_with_secret(procs: list) -> None:
+    """Start ``procs`` with a secret made for this job in their environment (the groups' shared
+    store is MAC'd under it); the launcher's own environment is restored."""
+    saved = os.environ.get(REPLICA_SECRET_ENV)
+    os.environ[REPLICA_SECRET_ENV] = secrets.token_hex(32)  # inherited by the groups only
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop(REPLICA_SECRET_ENV, None)
+        else:
+            os.environ[REPLICA_SECRET_ENV] = saved
 
 
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from allhands.config import PSConfig
 from allhands.mesh import Mesh
-from allhands.sync import ps_rows, ps_wire as w
+from allhands.sync import ps_links, ps_rows, ps_wire as w
 from allhands.sync.base import SyncStrategy
 
 
@@ -74,7 +74,14 @@ class PSSync(SyncStrategy):
 
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         r = self.roles
-        self.pg = mesh.cross_role_group(r.cross_store, r.rank, r.world, self.timeout_s)
+        if r.links is not None:  # replica mode: links of this incarnation (sync/ps_links.py)
+            self.wire, self.life = ps_links.join(r, mesh, self.timeout_s)
+        else:
+            pg = mesh.cross_role_group(r.cross_store, r.rank, r.world, self.timeout_s)
+            self.wire, self.life = w.Wire({s: (pg, r.server_rank(s)) for s in range(r.n_servers)}), 1
+        # Pull before the first forward: a replacement's first gradient is then of the servers'
+        # parameters, not of those in its checkpoint.
+        self._hook = model.register_forward_pre_hook(lambda m, args: None if self.started else self._start())
         self.tables = ps_rows.detach_tables(model, self.q.sparse)
         for t in self.tables:
             t.fetch = self._fetch
@@ -170,7 +177,7 @@ class PSSync(SyncStrategy):
     def _send(self, t: torch.Tensor, dst: int, tag: int, posted: list | None = None) -> None:
         """Send ``t`` and wait; with ``posted``, only post the send there (``_wait`` waits)."""
         if t.numel():  # gloo pairs every send with a receive; an empty piece is neither
-            work = (w.send(self.pg, t, dst, tag), t, True)
+            work = (self.wire.send(t, dst, tag), t, True)
             if posted is None:
                 self._wait([work])
             else:
@@ -187,8 +194,8 @@ class PSSync(SyncStrategy):
                  rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  wait: bool = True) -> list[tuple[dist.Work, torch.Tensor, bool]]:
         """Send server ``s`` a request; ``wait=False`` returns its posted sends, not waited on."""
-        dst = self.roles.server_rank(s)
-        posted = [(w.send(self.pg, header, dst, w.TAG_REQ), header, False)]
+        dst = s
+        posted = [(self.wire.send(header, dst, w.TAG_REQ), header, False)]
         if payload is not None:
             self._send(payload, dst, w.TAG_GRAD, posted)
         if rows is not None and self.row_pieces[s]:
@@ -200,7 +207,7 @@ class PSSync(SyncStrategy):
                 ids.append(i[lo:hi])
                 vals.append(g[lo:hi].reshape(-1))
             counts = torch.tensor([len(i) for i in ids], dtype=torch.int64)
-            posted.append((w.send(self.pg, counts, dst, w.TAG_COUNTS), counts, False))
+            posted.append((self.wire.send(counts, dst, w.TAG_COUNTS), counts, False))
             self._send(torch.cat(ids), dst, w.TAG_IDS, posted)
             self._send(torch.cat(vals), dst, w.TAG_ROWS, posted)
         if not wait:
@@ -219,11 +226,10 @@ class PSSync(SyncStrategy):
                 lo, hi = torch.searchsorted(ids, torch.tensor([p.start, p.stop])).tolist()
                 if hi == lo:
                     continue
-                dst = self.roles.server_rank(s)
-                w.send(self.pg, w.request(w.ROWS, self.clock, count=param, rows=hi - lo), dst, w.TAG_REQ).wait()
-                self._send(ids[lo:hi].contiguous(), dst, w.TAG_IDS)
+                self.wire.send(w.request(w.ROWS, self.clock, count=param, rows=hi - lo), s, w.TAG_REQ).wait()
+                self._send(ids[lo:hi].contiguous(), s, w.TAG_IDS)
                 buf = torch.empty(hi - lo, table.dim)
-                got.append((buf, w.recv(self.pg, buf, dst, w.TAG_ROWS)))
+                got.append((buf, self.wire.recv(buf, s, w.TAG_ROWS)))
         for buf, work in got:
             work.wait()
             self._moved(buf)
@@ -232,12 +238,11 @@ class PSSync(SyncStrategy):
 
     def _expect(self, s: int, with_params: bool) -> None:
         """Post the receive of server ``s``'s reply (and parameters) now; ``_receive`` waits."""
-        src = self.roles.server_rank(s)
         rep = torch.empty(w.REP_LEN, dtype=torch.float64)
-        works = [w.recv(self.pg, rep, src, w.TAG_REP)]
+        works = [self.wire.recv(rep, s, w.TAG_REP)]
         buf = torch.empty(sum(p.numel for p in self.mine[s])) if with_params else torch.empty(0)
         if buf.numel():
-            works.append(w.recv(self.pg, buf, src, w.TAG_PARAM))
+            works.append(self.wire.recv(buf, s, w.TAG_PARAM))
         self._pending.append((s, rep, buf, works))
 
     @torch.no_grad()
@@ -255,9 +260,10 @@ class PSSync(SyncStrategy):
     def _start(self) -> None:
         """Worker 0 gives each server its pieces' layout and values (a server that restores its
         shard from its own checkpoint keeps those); then every worker pulls, so all replicas start
-        from the servers' values."""
+        from the servers' values. A replacement (replica mode) only pulls."""
         self.started = True
-        if self.roles.index == 0:
+        self._hook.remove()
+        if self.roles.index == 0 and self.life == 1:
             for s in range(self.roles.n_servers):
                 # per piece: parameter, start, stop, dims, row width (tables), values follow (tables)
                 table = torch.tensor([[p.param, p.start, p.stop, self.params[p.param].dim(), 0, 1]
@@ -266,9 +272,9 @@ class PSSync(SyncStrategy):
                                       for p in self.row_pieces[s]
                                       for t in [self.tables[p.param - self.n_dense]]],
                                      dtype=torch.int64).reshape(-1, 6)
-                dst = self.roles.server_rank(s)
+                dst = s
                 self._request(s, w.request(w.INIT, self.clock, count=len(table)))
-                w.send(self.pg, table, dst, w.TAG_INIT).wait()
+                self.wire.send(table, dst, w.TAG_INIT).wait()
                 self._send(self._gather(s, self.params), dst, w.TAG_GRAD)
                 values = [t.values[p.start:p.stop].reshape(-1) for p in self.row_pieces[s]
                           for t in [self.tables[p.param - self.n_dense]] if t.values is not None]

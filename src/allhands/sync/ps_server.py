@@ -20,7 +20,11 @@ for step t+1's rows only after step t's reply, so after step t's update).
 
 Faults (``fault.inject``, RANK = the server's rank in the job): a server fails while applying
 update STEP (its version + 1), as a worker fails mid-step; torch's elastic agent then restarts
-every process, and the servers restore their shards from the last checkpoint.
+every process, and the servers restore their shards from the last checkpoint. In replica mode
+(requests over sync/ps_links.py's per-worker links) a worker whose link fails is dropped: it
+leaves the active set (ssp's slowest worker is among the others), its waiting replies go, a push
+of it cut short is not applied; its replacement's first request makes it active again at the
+clock it reports.
 
 Checkpoints: on worker 0's SAVE (sent when it saves), the shard (parameters, optimizer state,
 version) goes through the job's Checkpointer over the servers' group; on INIT a server restores
@@ -44,7 +48,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from allhands.config import Config
 from allhands.errors import ConfigError
 from allhands.faults import FaultInjector
-from allhands.sync import ps_rows, ps_wire as w
+from allhands.sync import ps_links, ps_rows, ps_wire as w
 
 SaveFn = Callable[[int, dict[str, Stateful]], None]
 LoadFn = Callable[[int, dict[str, Stateful]], bool]
@@ -122,16 +126,23 @@ class Shard(Stateful):
             t.load(mine["tables"][str(k)])
 
 
+def link_failed(e: Exception) -> bool:
+    """A gloo point-to-point operation failed because its peer went away (gloo's transport
+    errors name their source file), not a bug of this process."""
+    return isinstance(e, RuntimeError) and "/gloo/" in str(e)
+
+
 class Server:
-    def __init__(self, cfg: Config, roles: w.Roles, pg: dist.ProcessGroup, *, save: SaveFn | None,
-                 load: LoadFn | None):
-        self.cfg, self.q, self.roles, self.pg = cfg, cfg.ps, roles, pg
+    def __init__(self, cfg: Config, roles: w.Roles, source: ps_links.AnySource | ps_links.Hub, *,
+                 save: SaveFn | None, load: LoadFn | None):
+        self.cfg, self.q, self.roles, self.source, self.wire = cfg, cfg.ps, roles, source, source.wire
         self.save, self.load = save, load
         self.faults = FaultInjector(cfg.fault.inject, roles.rank, Path(cfg.run.dir))
         self.lr_scale = cfg.ps.lr / cfg.optim.lr if cfg.ps.lr else 1.0
         self.version = 0
         self.clocks = [0] * roles.n_workers
-        self.active = set(range(roles.n_workers))
+        self.active = set(range(roles.n_workers))  # neither done nor lost
+        self.done: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.opt: torch.optim.Optimizer | None = None
         self.tables: dict[int, ps_rows.RowShard] = {}  # by parameter index
@@ -144,17 +155,33 @@ class Server:
                                       "staleness": collections.Counter(),
                                       # seconds since start of each worker's pushes (throughput)
                                       "push_t": {k: [] for k in range(roles.n_workers)},
-                                      "clock_gap": collections.Counter()}
+                                      "clock_gap": collections.Counter(),
+                                      "lost": []}  # [worker, seconds since start]
 
     # -- the loop
     def run(self) -> dict[str, Any]:
         t_start = self.t0 = time.perf_counter()
-        while self.active:
-            hdr = torch.empty(w.REQ_LEN, dtype=torch.float64)
-            work = self.pg.recv_anysource([hdr], w.TAG_REQ)
-            work.wait()
+        idle_since = None  # when the last live worker was lost with others not done
+        while len(self.done) < self.roles.n_workers:
+            got = self.source.next(self.done)
+            if got is None:  # replica mode: nothing yet; give up on workers gone for too long
+                idle_since = idle_since or time.perf_counter() if not self.active else None
+                if idle_since and time.perf_counter() - idle_since > self.cfg.parallel.timeout_s:
+                    break
+                continue
+            src, hdr = got
             t0 = time.perf_counter()
-            self.handle(work.source_rank(), hdr)
+            try:
+                if hdr is not None:  # None: its link closed
+                    self.handle(src, hdr)
+                    self.source.handled(src, last=bool(int(hdr[0]) & w.DONE))
+            except RuntimeError as e:
+                if not (self.source.rejoins and link_failed(e)):
+                    raise
+                hdr = None
+            if hdr is None:
+                self._lose(src)
+            self._release()
             self.stats["busy_s"] += time.perf_counter() - t0
         self.stats["wall_s"] = time.perf_counter() - t_start
         if self.save is not None and self.cfg.checkpoint.at_end:
@@ -163,13 +190,17 @@ class Server:
 
     def handle(self, src: int, hdr: torch.Tensor) -> None:
         flags, clock = int(hdr[0]), int(hdr[1])
+        if src in self.source.fresh:  # a new incarnation's first request: its predecessor's state is void
+            self.source.fresh.discard(src)
+            self.active.discard(src)
+            self.waiting = [r for r in self.waiting if r[0] != src]
         if flags & w.INIT:
             self._init(src, clock, int(hdr[5]))
             return
         if flags & w.DONE:
             self.active.discard(src)
+            self.done.add(src)
             self.clocks[src] = clock
-            self._release()
             return
         if flags & w.SAVE:
             if self.save is not None:
@@ -178,6 +209,9 @@ class Server:
         if flags & w.ROWS:
             self._serve_rows(src, int(hdr[5]), int(hdr[6]))
             return
+        if src not in self.active:  # a lost worker's replacement: it resumed at ``clock``
+            self.active.add(src)
+            self.clocks[src] = clock
         self.clocks[src] = max(self.clocks[src], clock)
         pull = bool(flags & w.PULL)
         if flags & w.PUSH:
@@ -195,17 +229,26 @@ class Server:
             self._update(grad, rows, float(hdr[2]), float(hdr[3]))
         if pull or flags & w.TICK:
             self.waiting.append((src, clock, pull))
-        self._release()
+
+    def _lose(self, k: int) -> None:
+        """Replica mode: worker ``k``'s link failed (it died); serve the others without it."""
+        if k in self.done:
+            return
+        self.active.discard(k)
+        self.round.pop(k, None)
+        self.waiting = [r for r in self.waiting if r[0] != k]
+        self.stats["lost"].append([k, round(time.perf_counter() - self.t0, 3)])
+        self.source.lost(k)
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         if t.numel():  # an empty piece is never sent (ps.py)
-            w.recv(self.pg, t, src, tag).wait()
+            self.wire.recv(t, src, tag).wait()
             self.stats["bytes_in"] += t.numel() * t.element_size()
         return t
 
     def _init(self, src: int, clock: int, count: int) -> None:
         table = torch.empty(count, 6, dtype=torch.int64)
-        w.recv(self.pg, table, src, w.TAG_INIT).wait()
+        self.wire.recv(table, src, w.TAG_INIT).wait()
         rows = table.tolist()
         dense = [r for r in rows if r[4] == 0]
         sizes = [r[2] - r[1] for r in dense]
@@ -229,12 +272,11 @@ class Server:
             self.load(clock, {"ps": Shard(self)})
             for p in self.pieces:
                 p.grad = None
-        self._release()
 
     def _serve_rows(self, src: int, param: int, n: int) -> None:
         ids = self._recv(torch.empty(n, dtype=torch.int64), src, w.TAG_IDS)
         rows = self.tables[param].lookup(ids)
-        w.send(self.pg, rows, src, w.TAG_ROWS).wait()
+        self.wire.send(rows, src, w.TAG_ROWS).wait()
         self.stats["rows_fetched"] += n
         self.stats["row_bytes_in"] += ids.numel() * 8
         self.stats["row_bytes_out"] += rows.numel() * 4
@@ -245,7 +287,7 @@ class Server:
         if not self.tables:
             return {}
         counts = torch.empty(len(self.tables), dtype=torch.int64)
-        w.recv(self.pg, counts, src, w.TAG_COUNTS).wait()
+        self.wire.recv(counts, src, w.TAG_COUNTS).wait()
         widths = [t.rows.shape[1] for t in self.tables.values()]
         ids = self._recv(torch.empty(int(counts.sum()), dtype=torch.int64), src, w.TAG_IDS)
         vals = self._recv(torch.empty(sum(c * d for c, d in zip(counts.tolist(), widths))), src, w.TAG_ROWS)
@@ -264,15 +306,20 @@ class Server:
         for src, gap, pull in go:
             if self.q.mode == "ssp":
                 self.stats["clock_gap"][gap] += 1
-            self._reply(src, pull)
+            try:
+                self._reply(src, pull)
+            except RuntimeError as e:
+                if not (self.source.rejoins and link_failed(e)):
+                    raise
+                self._lose(src)
 
     def _reply(self, dst: int, with_params: bool) -> None:
-        w.send(self.pg, torch.tensor([self.version, 0, 0, 0], dtype=torch.float64), dst, w.TAG_REP).wait()
+        self.wire.send(torch.tensor([self.version, 0, 0, 0], dtype=torch.float64), dst, w.TAG_REP).wait()
         if with_params:
             self.stats["pulls"] += 1
             if self.flat.numel():
                 self.stats["bytes_out"] += self.flat.numel() * self.flat.element_size()
-                w.send(self.pg, self.flat, dst, w.TAG_PARAM).wait()
+                self.wire.send(self.flat, dst, w.TAG_PARAM).wait()
 
     # -- updates
     def _apply_round(self, lr: float) -> None:
@@ -292,7 +339,6 @@ class Server:
         if self.roles.n_servers > 1:
             dist.all_reduce(sq)  # the norm of the whole averaged gradient, over every server's shard
         self._update(total, rows, lr, float(sq.sqrt()))
-        self._release()
 
     @torch.no_grad()
     def _update(self, grad: torch.Tensor, rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -324,17 +370,18 @@ class Server:
         for k in ("staleness", "clock_gap"):
             out[k] = {str(v): n for v, n in sorted(self.stats[k].items())}
         out.update(server=self.roles.index, shard_bytes=self.flat.numel() * 4 if self.flat is not None else 0,
-                   table_bytes=sum(t.rows.numel() * 4 for t in self.tables.values()), version=self.version)
+                   table_bytes=sum(t.rows.numel() * 4 for t in self.tables.values()), version=self.version,
+                   joins=self.source.joins)
         return out
 
 
-def serve(cfg: Config, roles: w.Roles, pg: dist.ProcessGroup, run_dir: Path, *,
+def serve(cfg: Config, roles: w.Roles, source: ps_links.AnySource | ps_links.Hub, run_dir: Path, *,
           save: SaveFn | None = None, load: LoadFn | None = None) -> dict[str, Any]:
     """Run this server until every worker is done; its statistics go to ``ps/server<i>.json``
     in the run directory (per-server load, bytes, staleness histogram, push times), and its
     load and bytes as one line of metrics.jsonl (appended after worker 0 closed it: the servers
     finish only after every worker's loop has)."""
-    stats = Server(cfg, roles, pg, save=save, load=load).run()
+    stats = Server(cfg, roles, source, save=save, load=load).run()
     out = run_dir / "ps"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"server{roles.index}.json").write_text(json.dumps(stats, indent=1) + "\n")

@@ -5,7 +5,9 @@ Roles: the job's last ``ps.servers`` ranks are servers, the others workers, so w
 equal their global ranks (rank 0, a worker, writes the metrics as in every other layout). Each
 role has a default process group of its own (a prefix of the launcher's store, so the
 trainer's collectives span the workers only and the servers' checkpoint collectives the servers
-only), and one gloo group over every rank carries the point-to-point traffic between them.
+only), and one gloo group over every rank carries the point-to-point traffic between them. In
+replica mode (launch/psgroups.py) every worker is a world of its own and the traffic goes over
+a group per worker and server instead (sync/ps_links.py); a ``Wire`` hides which.
 
 Messages are plain tensors sent with gloo's ``send``/``recv`` (nothing is pickled): a request
 header of 8 float64 from a worker, then its payload (a push: the dense gradient pieces, then
@@ -19,9 +21,13 @@ from __future__ import annotations
 import datetime
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from allhands.authstore import sealed
+from allhands.env import ps_env
 
 # Request flags (a worker's header[0]); several may be set in one request.
 PUSH, PULL, INIT, DONE, SAVE, TICK, ROWS = 1, 2, 4, 8, 16, 32, 64
@@ -39,8 +45,10 @@ class Roles:
     n_servers: int
     rank: int         # rank in the whole job (= in the cross-role group)
     world: int
-    role_store: dist.Store
-    cross_store: dist.Store
+    role_store: dist.Store | None
+    cross_store: dist.Store | None
+    links: dist.Store | None = None  # replica mode: the job's MAC'd link store (ps_links.py)
+    link_secret: str | None = None  # and the secret its links are admitted under
 
     def server_rank(self, s: int) -> int:
         return self.n_workers + s
@@ -50,7 +58,20 @@ class Roles:
 def ps_roles(servers: int, rank: int, world: int, timeout_s: float) -> Roles:
     """This rank's role, from the launcher's env:// store (the same one, with torchelastic's
     per-attempt prefix, that ``init_process_group`` would use). Cached: worker.py and
-    build_sync ask alike, and one store client per process suffices."""
+    build_sync ask alike, and one store client per process suffices. In replica mode the role
+    comes from the environment (launch/psgroups.py) and ``rank`` is this process's rank in
+    its own world (a worker's is 0)."""
+    group = ps_env()
+    if group is not None:
+        n_workers = group.groups - 1
+        server = group.group == n_workers
+        index = rank if server else group.group
+        store = sealed(dist.TCPStore(group.host, group.port, is_master=False,
+                                     timeout=datetime.timedelta(seconds=timeout_s)), group.secret,
+                       f"parameter-server link store at {group.host}:{group.port}")
+        return Roles(server, index, servers if server else 1, n_workers, servers,
+                     n_workers + index if server else index, n_workers + servers, None, None, store,
+                     group.secret)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world,
                                        timeout=datetime.timedelta(seconds=timeout_s)))
     n_workers = world - servers
@@ -108,9 +129,18 @@ def request(flags: int, clock: int, lr: float = 0.0, norm: float = 0.0, version:
     return torch.tensor([flags, clock, lr, norm, version, count, rows, 0], dtype=torch.float64)
 
 
-def send(pg: dist.ProcessGroup, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
-    return pg.send([t], dst, tag)
+class Wire:
+    """Point-to-point tensors to the other role, by the peer's index (a server's, or a worker's):
+    ``links[peer] = (group, the peer's rank in it)``."""
 
+    def __init__(self, links: dict[int, tuple[Any, int]] | None = None):
+        self.links = dict(links or {})
 
-def recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-    return pg.recv([t], src, tag)
+    def send(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        pg, rank = self.links[peer]
+        return pg.send([t], rank, tag)
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        pg, rank = self.links[peer]
+        return pg.recv([t], rank, tag)
+

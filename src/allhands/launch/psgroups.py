@@ -1,0 +1,73 @@
+"""A parameter server in replica mode (``parallel.sync=ps``, ``fault.mode=replica``, async or
+ssp): every worker is a torch elastic world of its own and the servers one more, so torch's agent
+restarts a dead worker alone while the servers and the other workers keep training.
+
+The shape of launch/replicas.py (one ``torchrun`` per group, as torchft runs replica groups):
+the worlds cannot reach each other's process groups, so workers and servers link through a
+store hosted here (sync/ps_links.py: a gloo group per worker, server and worker incarnation),
+every value MAC'd under a secret made for this job (authstore.py). A dead server's agent
+restarts the servers, but the workers' links to them are gone, so the workers fail in turn and
+the job stops: a server death is recovered in restart mode only (fault.mode=restart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from allhands.checkpoint.heal import group_dir
+from allhands.config import Config
+from allhands.env import PS_ENV
+from allhands.errors import ConfigError, LaunchError
+from allhands.launch.replicas import start_with_secret
+
+
+def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: Callable,
+                  policy: Any) -> None:
+    """Run ``spec.nproc - ps.servers`` one-worker worlds and one world of the servers until they
+    complete; LaunchError when the servers failed or every worker did."""
+    if spec.multi_node:  # the link store is on loopback, as replica mode's quorum store
+        raise ConfigError("fault.mode: replica with parallel.sync=ps runs on one node for now; use "
+                          "fault.mode=restart for a multi-node job")
+    workers = spec.nproc - cfg.ps.servers
+    run_dir = Path(cfg.run.dir)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    ctx = mp.get_context("spawn")
+    procs = []
+    for g in range(workers + 1):  # the last group: the servers
+        nproc = cfg.ps.servers if g == workers else 1
+        group_spec = dataclasses.replace(spec, nproc=nproc, port=0, run_id="")
+        where = run_dir / "ps-servers" if g == workers else group_dir(run_dir, g) / "ps-worker"
+        procs.append(ctx.Process(target=_group_main, name=f"allhands-ps-{g}",
+                                 args=(cfg.to_dict(), job, g, workers + 1, store.port, launch, entry,
+                                       group_spec, policy, where)))
+    start_with_secret(procs)
+    print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
+          f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)
+    for p in procs:
+        p.join()
+    if procs[-1].exitcode != 0 or all(p.exitcode != 0 for p in procs[:-1]):
+        raise LaunchError(f"the parameter servers or every worker failed; see the lines above and "
+                          f"{run_dir / 'logs'}")
+    del store
+
+
+def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
+                entry: Callable, group_spec: Any, policy: Any, where: Path) -> None:
+    """One world (a worker, or the servers): the single-node launcher, its logs under ``where``."""
+    os.environ[PS_ENV] = f"{group},{groups},127.0.0.1,{port}"
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        launch(entry, (cfg_dict, job), group_spec, threads=Config.from_dict(cfg_dict).run.threads,
+               log_dir=where / "logs", policy=policy, run_dir=where)
+    except LaunchError as e:
+        print(f"allhands: ps group {group}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
