@@ -21,11 +21,20 @@ Keys (all under the store given):
   and fail on another when a third dies mid-ring; the compare-and-set decision makes the outcome
   one for all (torchft's ``should_commit``).
 
-Who may close a quorum early (after ``timeout_s`` without every group registered): a member of
+Who may close a quorum early (after ``timeout_s`` without every group registered, or at once when
+every missing group's holder is dead by the launcher's notice, sync/spares.py): a member of
 the newest quorum, or anyone once every member of it has restarted (a new incarnation: that
 quorum is dead, e.g. every group failed and restarted from its checkpoint), or anyone after
 ``dead_s``. A group that is merely joining waits for the live quorum to let it in, so two
 quorums never train side by side.
+
+A stop (a signal to the launcher or to a group, launch/replicas.py) is agreed like the joiners:
+``stop`` holds the signal number, each member adds whether it saw it to the same all-reduce, and
+every member stops after the same step.
+
+Store hygiene: keys of a step are deleted by their writers once the next step's all-reduce
+completed (every member has read them by then), a quorum's registrations two quorums later, so a
+long job's store does not grow with its steps.
 """
 
 from __future__ import annotations
@@ -39,9 +48,19 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from allhands.stopflag import FLAG
+
 
 class QuorumFinished(Exception):
     """The other groups completed the job while this one was joining: nothing left to train."""
+
+
+class QuorumStopped(Exception):
+    """The job was stopped (a signal) while this group waited for a quorum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum} while waiting for a quorum")
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -83,14 +102,18 @@ class ReplicaQuorum:
     every group), ``group`` this group's index of ``n_groups``."""
 
     def __init__(self, store: dist.Store, group: int, n_groups: int, *, timeout_s: float,
-                 dead_s: float, pg_timeout_s: float, min_groups: int = 1):
+                 dead_s: float, pg_timeout_s: float, min_groups: int = 1, life: str | None = None):
         self.store, self.group, self.n, self.min_groups = store, group, n_groups, min_groups
         self.timeout_s, self.dead_s, self.pg_timeout_s = timeout_s, dead_s, pg_timeout_s
-        self.life = secrets.token_hex(6)
-        self.store.set(f"life/{group}", self.life)
+        if life is None:  # not claimed through the roster (sync/spares.py): this process holds it
+            life = secrets.token_hex(6)
+            self.store.set(f"life/{group}", life)
+        self.life = life
         self.quorum: Quorum | None = None
         self.pg: dist.ProcessGroup | None = None
         self.reform = True  # no quorum yet
+        self.stop = 0  # a stop signal every member agreed on (0: none)
+        self._stale: list[str] = []  # keys this member wrote, deleted once every member read them
 
     # -- forming a quorum
     def _latest(self) -> Quorum | None:
@@ -107,9 +130,17 @@ class ReplicaQuorum:
         restarted = [self.store.get(f"life/{g}").decode() != life for g, life in zip(prev.members, prev.lives)]
         return all(restarted)
 
-    def form(self, step: int) -> Quorum:
+    def _missing_dead(self, missing: list[int]) -> bool:
+        """Every group in ``missing`` is held by a process the launcher saw die (sync/spares.py)."""
+        lives = [self.store.get(f"life/{g}").decode() if self.store.check([f"life/{g}"]) else ""
+                 for g in missing]
+        return all(life and self.store.check([f"dead/{life}"]) for life in lives)
+
+    def form(self, step: int, on_wait=None) -> Quorum:
         """Register at the next quorum with this group's step; return the decided one, with this
-        group in it (retrying at the next quorum id when it was decided without this group)."""
+        group in it (retrying at the next quorum id when it was decided without this group).
+        ``on_wait`` is called about once a second while waiting (the worker's heartbeat, so that
+        the hang watchdog does not take a wait for a replacement for a hang)."""
         self.pg = None  # the old group's connections close with it
         while True:
             prev = self._latest()
@@ -120,22 +151,33 @@ class ReplicaQuorum:
                 # quorum that includes this group already counts its request.
                 self.store.add("joiners", 1)
             self.store.set(f"q/{e}/m/{self.group}", f"{step}:{self.life}")
-            start = time.monotonic()
+            start = beat = time.monotonic()
             while not self.store.check([f"q/{e}/members"]):
                 if self.store.check(["done"]):
                     raise QuorumFinished()
+                if self.store.check(["stop"]):
+                    raise QuorumStopped(int(self.store.get("stop")))
                 keys = [f"q/{e}/m/{g}" for g in range(self.n)]
                 present = [g for g, k in enumerate(keys) if self.store.check([k])]
-                waited = time.monotonic() - start
-                if len(present) == self.n or (waited >= self.timeout_s and len(present) >= self.min_groups
-                                              and self._may_close(prev, waited)):
+                now = time.monotonic()
+                waited = now - start
+                if on_wait is not None and now - beat >= 1.0:
+                    on_wait()
+                    beat = now
+                if len(present) == self.n or (len(present) >= self.min_groups and (
+                        waited >= self.timeout_s or self._missing_dead(
+                            [g for g in range(self.n) if g not in present]))
+                        and self._may_close(prev, waited)):
                     self._close(e, present)
                     break
-                time.sleep(0.01)
+                time.sleep(0.005)
             q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
             if self.group in q.members and q.lives[q.members.index(self.group)] == self.life:
                 self.quorum, self.reform = q, False
                 self.pg = self._group(q)
+                self._stale.append(f"q/{e}/m/{self.group}")
+                if q.members[0] == self.group and e > 2:  # nobody reads a quorum two back
+                    self._stale.append(f"q/{e - 2}/members")
                 return q
 
     def _close(self, e: int, present: list[int]) -> None:
@@ -159,7 +201,10 @@ class ReplicaQuorum:
         is discarded everywhere and the quorum re-forms before the next try."""
         q = self.quorum
         assert q is not None and self.pg is not None
-        joiners = torch.tensor([float(self.store.add("joiners", 0))])
+        stopping = bool(FLAG.signum) or self.store.check(["stop"])
+        if FLAG.signum:  # a signal that reached this group: the first one is the job's
+            self.store.compare_set("stop", "", str(FLAG.signum))
+        joiners = torch.tensor([float(self.store.add("joiners", 0)), float(stopping)])
         flat = _flatten_dense_tensors([g.detach().float() for g in grads] + [joiners])
         try:
             self.pg.allreduce([flat]).wait()
@@ -174,8 +219,14 @@ class ReplicaQuorum:
         for g, r in zip(grads, reduced):
             g.copy_(r)
         # Every member summed the same counters: all of them re-form after this step, or none.
-        if float(total) > len(q.members) * q.joiners:
+        if float(total[0]) > len(q.members) * q.joiners:
             self.reform = True
+        if float(total[1]) > 0:  # some member saw the stop, which it stored before reducing
+            self.stop = int(self.store.get("stop"))
+        # Every member completed this all-reduce, so each has read the previous step's keys.
+        for key in self._stale:
+            self.store.delete_key(key)
+        self._stale = [f"ok/{q.qid}/{step}/{self.group}"] + ([f"d/{q.qid}/{step}"] if q.members[0] == self.group else [])
         return True
 
     def _decide(self, q: Quorum, step: int, ok: bool) -> bytes:
