@@ -103,6 +103,11 @@ class Trainer:
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
         self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
 
+    def move_to(self, run_dir: Path) -> None:
+        """Write metrics and checkpoints under ``run_dir`` instead, before ``fit``: replica mode's
+        spare is built before it knows which group's place it takes (worker.run_replica)."""
+        self.run_dir, self.ckpt.dir = run_dir, run_dir / "checkpoints"
+
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
         return {"model": ModelOptimState(*self.layout.checkpoint_parts()), "scheduler": self.scheduler,
@@ -198,7 +203,9 @@ class Trainer:
         # before this point makes every rank stop after this step, and the largest signal number
         # (SIGTERM over SIGUSR1 over SIGINT) says how, alike on every rank.
         flags = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0,
-                              float(FLAG.signum)], device=self.mesh.device)
+                              # replica mode: the signal the quorum agreed on (sync/quorum.py)
+                              float(FLAG.signum if self.replica is None else self.replica.stop)],
+                             device=self.mesh.device)
         if self.strategy.lockstep:  # an asynchronous worker decides alone
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad, stop = flags.tolist()

@@ -11,6 +11,7 @@ they apply the same summed gradient, so they stay identical. The data cursor is 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,13 +108,19 @@ class ReplicaGroup:
         if not self.q.reform:
             return False
         t0 = time.perf_counter()
-        q: Quorum = self.q.form(trainer.train_state.step)
+        step = trainer.train_state.step
+        q: Quorum = self.q.form(step, on_wait=lambda: trainer.heartbeat.beat(step + 1))
         src, me = q.source, q.members.index(self.q.group)
         before = trainer.train_state.step
         heal(trainer, self.q.pg, src, me)
         took = time.perf_counter() - t0
-        self.healed_at.append({"quorum": q.qid, "members": list(q.members), "from_group": q.members[src],
-                               "step": trainer.train_state.step, "seconds": round(took, 4)})
+        event = {"time": time.time(), "pid": os.getpid(), "quorum": q.qid, "members": list(q.members),
+                 "from_group": q.members[src], "was_at": before, "step": trainer.train_state.step,
+                 "seconds": round(took, 4)}
+        self.healed_at.append(event)
+        if trainer.mesh.is_main:  # for ``allhands drill`` and bench/replica.py
+            with open(trainer.run_dir / "quorums.jsonl", "a") as f:
+                f.write(json.dumps(event) + "\n")
         print(f"allhands: replica group {self.q.group}: quorum {q.qid} of groups "
               f"{', '.join(map(str, q.members))} at step {trainer.train_state.step}"
               f"{f' (healed from group {q.members[src]}, was at step {before})' if before != trainer.train_state.step else ''}"
@@ -135,6 +142,11 @@ class ReplicaGroup:
             print(f"allhands: replica group {self.q.group}: step {step + 1} discarded by every member "
                   f"of quorum {q.qid} (a member failed inside it); re-forming", file=sys.stderr, flush=True)
         return ok
+
+    @property
+    def stop(self) -> int:
+        """The stop signal every member agreed on in the last all-reduce (0: none)."""
+        return self.q.stop
 
     def finish(self, step: int) -> None:
         self.q.finish(step)

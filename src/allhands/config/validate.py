@@ -257,6 +257,7 @@ def _validate_replica(cfg: Config) -> None:
     _check(f.mode in ("restart", "replica"), "fault.mode", "allowed: restart, replica", f.mode)
     _check(f.quorum_timeout_s > 0, "fault.quorum_timeout_s", "must be > 0", f.quorum_timeout_s)
     _check(f.min_groups >= 1, "fault.min_groups", "must be >= 1", f.min_groups)
+    _check(0 <= f.spares <= 64, "fault.spares", "must be in [0, 64]", f.spares)
     if f.mode != "replica":
         return
     for name, value, plain in (("parallel.dp_shard", p.dp_shard, 1), ("parallel.tp", p.tp, 1),
