@@ -107,6 +107,8 @@ def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str,
         trainer.move_to(group_dir(run_dir, group))
         print(f"allhands: replica group {group}: spare pid {os.getpid()} takes its place",
               file=sys.stderr, flush=True)
+    else:
+        spares.wait_for_spares(store, cfg.fault.spares, cfg.parallel.timeout_s)
     # faults name the group (every group's only rank is 0) and fire once per job
     trainer.faults = FaultInjector(cfg.fault.inject, group, run_dir)
     quorum = ReplicaQuorum(store, group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,

@@ -176,7 +176,7 @@ class Watcher(threading.Thread):
         if not gone:
             return
         self.dead.update(gone)
-        if self.store.check(["done"]):  # finished, not failed: nobody waits for a replacement
+        if self.store.check(["done"]) or self.store.check(["stop"]):  # finished or stopping, not failed
             return
         held = {holder(self.store, g): g for g in range(self.n)}
         for life in gone:
@@ -239,10 +239,8 @@ def _kill(pid: int) -> None:
 def _stop_handling(store: dist.Store, watcher: Watcher):
     """This launcher's stop signals, for the job's duration (main thread only)."""
     stopping = _Stopping(store, watcher)
-    if threading.current_thread() is not threading.main_thread():
-        yield stopping
-        return
-    previous = {s: signal.signal(s, stopping.on_signal) for s in STOP_SIGNALS}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, stopping.on_signal) for s in STOP_SIGNALS} if main else {}
     try:
         yield stopping
     finally:

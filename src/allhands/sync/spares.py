@@ -12,7 +12,8 @@ registers it with its pid. Keys, in the job's MAC'd store (authstore.py):
 - ``dead/LIFE``: the watcher's notice that incarnation LIFE's process is gone. A survivor waiting
   for a group whose holder is dead closes the quorum at once instead of after
   ``fault.quorum_timeout_s`` (quorum.py).
-- ``spare/LIFE``: a spare waiting (empty), or the group index it was handed. The watcher hands a
+- ``spare/LIFE``: a spare waiting (empty), or the group index it was handed; ``spares`` counts
+  the spares that became ready, which the groups wait for before their first quorum. The watcher hands a
   dead holder's group to an idle spare before it posts the notice, so the survivors wait for the
   spare (which registers within a second) rather than close a quorum without it.
 
@@ -66,6 +67,7 @@ def wait_as_spare(store: dist.Store, life: str, *, poll_s: float = 0.005,
     says why to give up (the job is done or stopping: that reason)."""
     key = f"spare/{life}"
     store.set(key, "")
+    store.add("spares", 1)  # ready: see wait_for_spares
     while True:
         got = store.get(key).decode()
         if got:
@@ -90,3 +92,11 @@ def hand_over(store: dist.Store, group: int, dead_life: str, spares: list[str]) 
             break
     store.set(f"dead/{dead_life}", "1")
     return taker
+
+
+def wait_for_spares(store: dist.Store, n: int, timeout_s: float) -> None:
+    """At the job's start (no quorum yet), wait up to ``timeout_s`` until ``n`` spares are ready,
+    so that a failure in the first steps finds one; later starts do not wait."""
+    deadline = time.monotonic() + timeout_s
+    while n and store.add("spares", 0) < n and not store.check(["epoch"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
