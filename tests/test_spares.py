@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from allhands.authstore import MACStore, store_key
 
+from allhands.checkpoint import committed
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.sync import spares
 from allhands.sync.quorum import QuorumStopped
@@ -45,7 +46,7 @@ def test_claims_spares_and_hand_over():
     assert spares.claim(s, "b2", 1, 2) is None  # b's restart while b is alive: nothing to take
     assert spares.hand_over(s, 1, "b", ["a", "b2", "c"]) == "c"  # a and b2 wait as no spare
     t.join(5)
-    assert got["g"] == 1 and spares.holder(s, 1) == "c" and spares.is_dead(s, "b")
+    assert got["g"] == (1, True) and spares.holder(s, 1) == "c" and spares.is_dead(s, "b")
     # no spare left: the notice alone, and a restart takes the dead holder's group
     assert spares.hand_over(s, 1, "c", []) is None and spares.is_dead(s, "c")
     assert spares.claim(s, "c2", 2, 2) == 1 and spares.holder(s, 1) == "c2"
@@ -127,8 +128,8 @@ def test_sigterm_to_the_replicas_launcher_stops_every_group_at_one_step(token_di
     proc = subprocess.Popen([*ALLHANDS, "train", "--nproc", "2", *sets], env=cli_env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
-    metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and '"loss"' in metrics.read_text()):
+    both = [run / "metrics.jsonl", run / "replicas" / "group-1" / "metrics.jsonl"]
+    while not all(m.exists() and '"loss"' in m.read_text() for m in both):  # both are training
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -136,15 +137,16 @@ def test_sigterm_to_the_replicas_launcher_stops_every_group_at_one_step(token_di
     assert proc.returncode == 143, err[-3000:]
     lines = [x for x in err.splitlines() if "stopped by SIGTERM" in x]
     assert len(lines) == 1 and "resume with: allhands train --nproc 2" in lines[0], err[-3000:]
-    a, b = saved(run), saved(run / "replicas" / "group-1")
-    assert 0 < int(a["train.step"]) == int(b["train.step"]) < 400
+    found = [committed(d / "checkpoints") for d in (run, run / "replicas" / "group-1")]
+    assert all(found) and found[0][-1][0] == found[1][-1][0], (found, err[-3000:])
 
 
 def test_drill_in_replica_mode(token_dir, tmp_path, cli_env):
     sets = [f"--set={s}" for s in (*TINY, "run.steps=6", "checkpoint.interval=2", "fault.mode=replica",
-                                   "fault.spares=1", f"data.path={token_dir}", f"run.dir={tmp_path / 'drill'}")]
+                                   "fault.spares=1", "fault.min_groups=2",  # both train, whenever each starts
+                                   f"data.path={token_dir}", f"run.dir={tmp_path / 'drill'}")]
     r = subprocess.run([*ALLHANDS, "drill", "--nproc", "2", "--faults", "1", "--seed", "4", *sets],
-                       capture_output=True, text=True, env=cli_env, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, env=cli_env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.splitlines()
     assert out[1].split() == ["fault", "(group:step:kind)", "stall", "s", "heal", "s", "back", "s",
