@@ -102,6 +102,7 @@ class Trainer:
         self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
         self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
+        self.resume = True  # False: a replica-mode spare that takes its state from live peers
 
     def move_to(self, run_dir: Path) -> None:
         """Write metrics and checkpoints under ``run_dir`` instead, before ``fit``: replica mode's
@@ -238,7 +239,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
         t_load = time.perf_counter()
-        resumed = self.maybe_resume()
+        resumed = self.maybe_resume() if self.resume else False
         t_load = time.perf_counter() - t_load
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,

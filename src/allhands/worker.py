@@ -103,7 +103,7 @@ def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str,
             return {}
         if isinstance(got, str):
             raise CleanStop(int(got), 0, None, run_dir)
-        group = got
+        group, trainer.resume = got[0], not got[1]  # live peers: heal from them, load nothing
         trainer.move_to(group_dir(run_dir, group))
         print(f"allhands: replica group {group}: spare pid {os.getpid()} takes its place",
               file=sys.stderr, flush=True)

@@ -185,7 +185,8 @@ class Watcher(threading.Thread):
                 self.store.set(f"dead/{life}", "1")
                 continue
             idle = [s for s in self.pids if s not in self.dead]
-            taker = hand_over(self.store, g, life, idle)
+            alive = any(h not in self.dead for h in held if h is not None and h != life)
+            taker = hand_over(self.store, g, life, idle, peers_alive=alive)
             self.handovers.append((time.time(), g, taker))
             then = (f"spare pid {self.pids[taker]} takes its place" if taker else
                     "no spare left: its own restart replaces it")

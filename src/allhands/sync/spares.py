@@ -62,32 +62,37 @@ def claim(store: dist.Store, life: str, slot: int, n_groups: int) -> int | None:
 
 
 def wait_as_spare(store: dist.Store, life: str, *, poll_s: float = 0.005,
-                  stop: Callable[[], str | None] = lambda: None) -> int | str:
-    """A spare: wait until the watcher hands this process a group (its index), or until ``stop``
-    says why to give up (the job is done or stopping: that reason)."""
+                  stop: Callable[[], str | None] = lambda: None) -> tuple[int, bool] | str:
+    """A spare: wait until the watcher hands this process a group: (its index, whether another
+    group's holder was alive then, so that the state comes from a peer and not a checkpoint);
+    or until ``stop`` says why to give up (the job is done or stopping: that reason)."""
     key = f"spare/{life}"
     store.set(key, "")
     store.add("spares", 1)  # ready: see wait_for_spares
     while True:
         got = store.get(key).decode()
         if got:
-            return int(got)
+            group, live = got.split(":")
+            return int(group), live == "live"
         why = stop()
         if why:
             return why
         time.sleep(poll_s)
 
 
-def hand_over(store: dist.Store, group: int, dead_life: str, spares: list[str]) -> str | None:
+def hand_over(store: dist.Store, group: int, dead_life: str, spares: list[str],
+              peers_alive: bool = True) -> str | None:
     """Watcher: ``group``'s holder ``dead_life`` is gone. Hand the group to the first idle spare of
     ``spares`` (incarnations with live processes, oldest first), then post the failure notice;
-    returns the spare that took it, or None (no spare: the group's own restart will claim it)."""
+    returns the spare that took it, or None (no spare: the group's own restart will claim it).
+    ``peers_alive``: some other group's holder is alive, so the spare heals from it rather than
+    loading the group's checkpoint first (when every group died, the checkpoints are the state)."""
     taker = None
     for life in spares:
         key = f"spare/{life}"
         if store.check([key]) and not store.get(key) and \
                 store.compare_set(f"life/{group}", dead_life, life) == life.encode():
-            store.set(key, str(group))
+            store.set(key, f"{group}:{'live' if peers_alive else 'all-dead'}")
             taker = life
             break
     store.set(f"dead/{dead_life}", "1")
