@@ -132,6 +132,7 @@ CLI = [
     (["train", *T, "--set", "fault.mode=replica", "--set", "parallel.tp=2"], 2,
      "parallel.tp: 2 is not supported with fault.mode=replica"),
     (["train", *T, "--set", "fault.mode=hot"], 2, "fault.mode: 'hot' is not allowed"),
+    (["train", *T, "--set", "fault.spares=-1"], 2, "fault.spares: -1 is not allowed; must be in [0, 64]"),
     (["drill", "--faults", "0"], 2, "--faults: 0"),
     (["drill", "--nproc", "0", *T], 2, "--nproc: 0"),
     (["drill", "--faultz", "2"], 2, "did you mean --faults?"),
