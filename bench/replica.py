@@ -1,37 +1,67 @@
-"""Replica mode against restart mode, side by side, on one fault schedule.
+"""Replica mode (with and without spares) against restart mode, side by side, on one fault schedule.
 
-A 2-worker job (reference GPT, as bench/recovery.py) runs undisturbed, then with a SIGKILL of
-worker (replica group) 1 every ``--every`` steps, once with ``fault.mode = "replica"`` and once
-with ``fault.mode = "restart"`` (async checkpoints every ``--ckpt`` steps). Figures per fault:
+A job of ``--groups`` workers (reference GPT, as bench/recovery.py) whose every forward pass
+also sleeps ``--device-s`` seconds: simulated device time, as bench/ps.py does, so that a step
+takes about as long as the issue's 0.3 s and the workers do not contend for the 2 shared cores
+(a sleeping worker leaves the CPU to the others, as one waiting on its accelerator does). It runs
+undisturbed, then with a SIGKILL every ``--every`` steps (of group 1, 2, 1, ... in turn) with
+``fault.mode = "replica"`` and ``--spares`` spares, with no spare (the failure notice only, the
+group's own restart replaces it), and with ``fault.mode = "restart"`` (async checkpoints every
+``--ckpt`` steps). Figures per fault:
 
-- survivor stall (replica): from the SIGKILL to group 0's next completed step;
-- replacement back (replica): from the SIGKILL to the restarted group 1's first completed step
-  (its start-up, the quorum, the heal);
+- survivor stall (replica): from the SIGKILL to group 0's next completed step (which includes
+  the rest of the step it was training, and its redo: the killed step is discarded);
+- replacement back (replica): from the SIGKILL to the killed group's next completed step;
 - recovery (restart): from the SIGKILL to the restarted job's next completed step;
 - goodput: ``run.steps`` x the undisturbed median step time / wall time of the faulted run from
   its first step to its last.
 
-    python bench/replica.py [--faults 2] [--every 50] [--ckpt 10]
+    python bench/replica.py [--faults 3] [--every 50] [--groups 3] [--spares 1] [--device-s 0.3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
-import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))  # the workers import this module by name for the model
 
 MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=128", "model.seq_len=64"]
+DEVICE_ENV = "ALLHANDS_BENCH_DEVICE_S"  # --device-s, inherited by the spawned workers
+
+
+class DeviceTimed(torch.nn.Module):
+    """The reference GPT plus a fixed sleep per forward pass in training: device time."""
+
+    def __init__(self, inner: torch.nn.Module, device_s: float):
+        super().__init__()
+        self.inner, self.device_s = inner, device_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(self.device_s)
+        return self.inner(x)
+
+
+def device_timed_gpt(cfg) -> torch.nn.Module:
+    from allhands.job import Job, build_data, build_reference_model
+
+    vocab = build_data(cfg, Job())[2]
+    return DeviceTimed(build_reference_model(cfg, vocab), float(os.environ[DEVICE_ENV]))
 
 
 def steps_of(path: Path) -> list[tuple[int, float, float]]:
     """(step, wall time, step_time) of every training line of a metrics.jsonl."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return [(r["step"], r["time"], r["step_time"]) for r in rows if "loss" in r and "time" in r]
 
 
@@ -40,45 +70,64 @@ def after(rows: list[tuple[int, float, float]], t: float) -> float | None:
     return min(later) - t if later else None
 
 
+def _fmt(values: list[float | None]) -> str:
+    return ", ".join(f"{v:.2f} s" if v is not None else "none" for v in values)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--faults", 2), ("--every", 50), ("--ckpt", 10)):
+    for flag, default in (("--faults", 3), ("--every", 50), ("--ckpt", 10), ("--groups", 3), ("--spares", 1)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--device-s", type=float, default=0.3)
+    ap.add_argument("--only", default="", help="comma-separated runs (undisturbed,replica,notice,restart)")
     args = ap.parse_args()
 
+    import replica as this  # by its module name, so that the spawned workers find the model
     from allhands.config import load_config
     from allhands.faults import fired_at
+    from allhands.job import Job
+    from allhands.checkpoint.heal import group_dir
     from allhands.launch.launcher import LaunchSpec, train_job
 
-    out = Path(tempfile.mkdtemp(prefix="allhands-bench-replica-"))
+    out = ROOT / "runs" / f"bench-replica-{time.strftime('%Y%m%d-%H%M%S')}"
     steps = args.every * (args.faults + 1)
-    inject = ",".join(f"1:{args.every * (i + 1)}:SIGKILL" for i in range(args.faults))
-    base = [*MODEL, f"run.steps={steps}", "run.global_batch=16", "run.eval_interval=0",
+    killed = [1 + i % (args.groups - 1) for i in range(args.faults)]
+    inject = ",".join(f"{g}:{args.every * (i + 1)}:SIGKILL" for i, g in enumerate(killed))
+    base = [*MODEL, f"run.steps={steps}", f"run.global_batch={4 * args.groups}", "run.eval_interval=0",
             "data.eval_batches=0", f"checkpoint.interval={args.ckpt}", "fault.backoff_s=0.5",
             "log.tensorboard=false", "log.progress=false", f"fault.max_restarts={args.faults + 1}"]
-    runs = {"undisturbed": ["fault.mode=replica"], "replica": ["fault.mode=replica", f"fault.inject={inject}"],
+    os.environ[DEVICE_ENV] = str(args.device_s)
+    runs = {"undisturbed": ["fault.mode=replica"],
+            "replica": ["fault.mode=replica", f"fault.spares={args.spares}", f"fault.inject={inject}"],
+            "notice": ["fault.mode=replica", f"fault.inject={inject}"],
             "restart": ["fault.mode=restart", f"fault.inject={inject}"]}
-    print(f"faults={args.faults} every={args.every} steps={steps} checkpoint every {args.ckpt} workers=2 "
-          f"model={' '.join(MODEL)} global_batch=16 in {out}", flush=True)
-    rows = {}
+    if args.only:
+        runs = {k: v for k, v in runs.items() if k in args.only.split(",") or k == "undisturbed"}
+    print(f"faults={args.faults} every={args.every} steps={steps} checkpoint every {args.ckpt} "
+          f"groups={args.groups} spares={args.spares} device time {args.device_s} s per forward, "
+          f"model={' '.join(MODEL)} global_batch={4 * args.groups} in {out}", flush=True)
+    rows, walls = {}, {}
     for name, extra in runs.items():
         cfg = load_config(overrides=[*base, *extra, f"run.dir={out / name}"])
-        train_job(cfg, LaunchSpec(nproc=2))
+        t0 = time.time()
+        train_job(cfg, LaunchSpec(nproc=args.groups), job=Job(model=this.device_timed_gpt))
+        walls[name] = time.time() - t0
         rows[name] = steps_of(out / name / "metrics.jsonl")
     step_time = statistics.median(dt for _, _, dt in rows["undisturbed"])
-    print(f"undisturbed median step time {step_time:.3f} s")
-    for name in ("replica", "restart"):
+    print(f"undisturbed median step time {step_time:.3f} s", flush=True)
+    for name in (n for n in runs if n != "undisturbed"):
         kills = sorted(t for k, t in fired_at(out / name).items())
         first, last = rows[name][0][1] - rows[name][0][2], rows[name][-1][1]
         goodput = steps * step_time / (last - first)
         stalls = [after(rows[name], t) for t in kills]
-        line = f"{name}: goodput {goodput:.2f}; " + ("survivor stall" if name == "replica" else "recovery")
-        line += " " + ", ".join(f"{s:.2f} s" if s is not None else "none" for s in stalls)
-        if name == "replica":
-            g1 = steps_of(out / name / "replicas" / "group-1" / "metrics.jsonl")
-            back = [after(g1, t) for t in kills]
-            line += "; replacement back " + ", ".join(f"{b:.2f} s" if b is not None else "never" for b in back)
-        print(line, flush=True)
+        if name == "restart":
+            print(f"{name}: goodput {goodput:.2f}; recovery {_fmt(stalls)}; job {walls[name]:.0f} s", flush=True)
+            continue
+        back = [after(steps_of(group_dir(out / name, g) / "metrics.jsonl"), t) for g, t in zip(killed, kills)]
+        known = [s for s in stalls if s is not None]
+        print(f"{name}: goodput {goodput:.2f}; survivor stall {_fmt(stalls)} (median "
+              f"{statistics.median(known) if known else float('nan'):.2f} s); replacement back {_fmt(back)}; "
+              f"job {walls[name]:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ recovery. Then prints, per fault: when it fired, how long until the launcher saw
 (detection), how long until the restarted job completed its next step (recovery), how many
 completed steps were lost and recomputed, and whether the final parameters equal the undisturbed
 run's bit for bit. The plan is printed as a ``fault.inject`` spec, so any drill replays exactly.
+
+With ``fault.mode = "replica"`` a fault kills one replica group and the others carry on, so the
+table says instead, per fault: the survivors' stall (from the kill to a survivor's next completed
+step), the heal (the replacement's quorum and state transfer, from its ``quorums.jsonl``), how long
+until the killed group trained again, and whether every group's final parameters are bit-equal
+(an undisturbed replica run equals a disturbed one only up to where the shares are summed).
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from allhands.checkpoint import committed, load_weights
+from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
 from allhands.errors import ConfigError
 from allhands.faults import Fault, fired_at, plan_faults
@@ -104,6 +111,67 @@ def same_parameters(cfg: Config, a: Path, b: Path) -> bool:
     return all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@dataclass
+class ReplicaRow:
+    fault: Fault
+    fired: float | None = None
+    seconds: dict[str, float | None] = field(default_factory=dict)  # "stall", "heal", "back"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _first_after(times: list[float], t: float) -> float | None:
+    later = [x for x in times if x > t]
+    return min(later) - t if later else None
+
+
+def analyse_replica(plan: list[Fault], run_dir: Path, groups: int) -> list[ReplicaRow]:
+    """Per fault: the survivors' stall (the lowest other group's next step), the killed group's
+    heal (its first quorum after the kill that changed its state) and its first step again."""
+    fired = fired_at(run_dir)
+    rows = []
+    for f in sorted(plan, key=lambda f: fired.get(str(f), float("inf"))):
+        row = ReplicaRow(f, fired.get(str(f)))
+        if row.fired is not None:
+            other = min(g for g in range(groups) if g != f.rank)
+            row.seconds["stall"] = _first_after([m["time"] for m in _metrics(group_dir(run_dir, other))],
+                                                row.fired)
+            mine = group_dir(run_dir, f.rank)
+            heals = [q for q in _jsonl(mine / "quorums.jsonl") if q["time"] > row.fired]
+            row.seconds["heal"] = heals[0]["seconds"] if heals else None
+            row.seconds["back"] = _first_after([m["time"] for m in _metrics(mine)], row.fired)
+        rows.append(row)
+    return rows
+
+
+def replica_table(rows: list[ReplicaRow], equal: bool) -> str:
+    head = ("fault (group:step:kind)", "stall s", "heal s", "back s", "members equal")
+    lines = [f"{head[0]:<25}{head[1]:>9}{head[2]:>8}{head[3]:>8}{head[4]:>15}"]
+    for r in rows:
+        fault = str(r.fault) + ("" if r.fired is not None else " (never fired)")
+        t = r.seconds
+        lines.append(f"{fault:<25}{_fmt(t.get('stall'), '.2f'):>9}{_fmt(t.get('heal'), '.2f'):>8}"
+                     f"{_fmt(t.get('back'), '.2f'):>8}{'yes' if equal else 'NO':>15}")
+    return "\n".join(lines)
+
+
+def _weights(cfg: Config, run_dir: Path) -> dict[str, torch.Tensor]:
+    _, _, vocab = build_data(cfg, Job())
+    return load_weights(build_reference_model(cfg, vocab), committed(run_dir / "checkpoints")[-1][1]).state_dict()
+
+
+def members_equal(cfg: Config, run_dir: Path, groups: int) -> tuple[bool, list[int]]:
+    """Whether every group that completed the job (its last checkpoint at ``run.steps``) holds
+    the same final parameters, bit for bit; and which groups those are. A group replaced by its
+    own restart may not have come back before the others finished."""
+    done = [g for g in range(groups) if (c := committed(group_dir(run_dir, g) / "checkpoints"))
+            and c[-1][0] == cfg.run.steps]
+    weights = [_weights(cfg, group_dir(run_dir, g)) for g in done]
+    return all(all(torch.equal(weights[0][k], w[k]) for k in w) for w in weights[1:]), done
+
+
 def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
               plan: list[Fault] | None = None) -> bool:
     """Undisturbed run, faulted run, table. True when the final parameters are equal.
@@ -132,6 +200,8 @@ def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
     t0 = time.time()
     hit_cfg = train_job(variant("faulted", spec_str, max(cfg.fault.max_restarts, faults + 2)), spec)
     wall = time.time() - t0
+    if cfg.fault.mode == "replica" and world > 1:
+        return _replica_report(cfg, plan, Path(ref_cfg.run.dir), Path(hit_cfg.run.dir), world, wall, base, out)
     rows = analyse(plan, Path(hit_cfg.run.dir))
     equal = same_parameters(ref_cfg, Path(ref_cfg.run.dir), Path(hit_cfg.run.dir))
     print(table(rows), file=out)
@@ -141,4 +211,19 @@ def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
           f"{_fmt(gp, '.2f')} (useful step time / wall time of the faulted run's steps); faulted "
           f"job {wall:.1f} s; final parameters "
           f"{'EQUAL to' if equal else 'DIFFER from'} the undisturbed run's; runs in {base}", file=out)
+    return equal
+
+
+def _replica_report(cfg: Config, plan: list[Fault], ref: Path, hit: Path, groups: int, wall: float,
+                    base: Path, out) -> bool:
+    equal, done = members_equal(cfg, hit, groups)
+    equal = equal and len(done) > 1
+    rows = analyse_replica(plan, hit, groups)
+    print(replica_table(rows, equal), file=out)
+    stalls = [r.seconds["stall"] for r in rows if r.seconds.get("stall") is not None]
+    gp = goodput(cfg, ref, hit)
+    print(f"median survivor stall {_fmt(statistics.median(stalls) if stalls else None, '.2f')} s; goodput "
+          f"{_fmt(gp, '.2f')} (useful step time / wall time of the faulted run's steps); faulted "
+          f"job {wall:.1f} s; final parameters of groups {', '.join(map(str, done))} (those that "
+          f"completed) {'EQUAL' if equal else 'DIFFER or too few'}; runs in {base}", file=out)
     return equal

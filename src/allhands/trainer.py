@@ -102,6 +102,12 @@ class Trainer:
         self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
         self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
+        self.resume = True  # False: a replica-mode spare that takes its state from live peers
+
+    def move_to(self, run_dir: Path) -> None:
+        """Write metrics and checkpoints under ``run_dir`` instead, before ``fit``: replica mode's
+        spare is built before it knows which group's place it takes (worker.run_replica)."""
+        self.run_dir, self.ckpt.dir = run_dir, run_dir / "checkpoints"
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
@@ -198,7 +204,9 @@ class Trainer:
         # before this point makes every rank stop after this step, and the largest signal number
         # (SIGTERM over SIGUSR1 over SIGINT) says how, alike on every rank.
         flags = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0,
-                              float(FLAG.signum)], device=self.mesh.device)
+                              # replica mode: the signal the quorum agreed on (sync/quorum.py)
+                              float(FLAG.signum if self.replica is None else self.replica.stop)],
+                             device=self.mesh.device)
         if self.strategy.lockstep:  # an asynchronous worker decides alone
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad, stop = flags.tolist()
@@ -231,7 +239,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
         t_load = time.perf_counter()
-        resumed = self.maybe_resume()
+        resumed = self.maybe_resume() if self.resume else False
         t_load = time.perf_counter() - t_load
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import datetime
 import logging
+import os
 import signal
 import sys
 import time
@@ -31,7 +32,8 @@ from allhands.sync.ps_links import AnySource, Hub, Share
 from allhands.sync.ps_rows import detach_tables
 from allhands.sync.ps_server import serve
 from allhands.sync.ps_wire import Roles, ps_roles
-from allhands.sync.quorum import QuorumFinished, ReplicaQuorum
+from allhands.sync import spares
+from allhands.sync.quorum import QuorumFinished, QuorumStopped, ReplicaQuorum, shared_token
 from allhands.trainer import Job, Trainer
 
 
@@ -90,26 +92,59 @@ def _said_since(rank: int, what: str, t: float) -> float:
 
 
 def run_replica(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv) -> dict[str, Any]:
-    """One replica group's worker: the trainer, joined to the quorum of the groups."""
+    """One replica-mode process: the group it holds (or, as a spare, is handed: sync/spares.py),
+    its trainer, joined to the quorum of the groups."""
     run_dir = Path(cfg.run.dir)
-    trainer = Trainer(cfg, job, mesh, group_dir(run_dir, rep.group))
-    # faults name a rank as in the whole job's mesh (group G's local rank L is G * dp_shard + L;
-    # G itself with one rank per group) and fire once per job
-    trainer.faults = FaultInjector(cfg.fault.inject, rep.group * mesh.world_size + mesh.rank, run_dir)
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     store = sealed(dist.TCPStore(rep.host, rep.port, is_master=False, timeout=timeout), rep.secret,
                    f"replica store at {rep.host}:{rep.port}")
-    quorum = ReplicaQuorum(store, rep.group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
+    life = shared_token(mesh.cpu_group() if mesh.world_size > 1 else None)  # a group's ranks share it
+    spares.register(store, life)  # every rank's process, for the launcher's failure notice
+    if store.check(["done"]):  # a restart that came up after the others completed the job
+        return {}
+    if cfg.fault.spares:  # any group whose holder died, or wait as a spare (one process a group)
+        group = spares.claim(store, life, rep.group, rep.groups)
+    else:  # this slot's group: its own ranks (FSDP inside a group) or, across nodes, its node's
+        group = rep.group
+        if mesh.rank == 0:
+            store.set(f"life/{group}", life)
+    where = group_dir(run_dir, group if group is not None else rep.group)
+    trainer = Trainer(cfg, job, mesh, where)  # a spare too: what a replacement must not wait for
+    if group is None:
+        got = spares.wait_as_spare(store, life, stop=lambda: _why_not(store))
+        if got == "done":
+            return {}
+        if isinstance(got, str):
+            raise CleanStop(int(got), 0, None, run_dir)
+        group, trainer.resume = got[0], not got[1]  # live peers: heal from them, load nothing
+        trainer.move_to(group_dir(run_dir, group))
+        print(f"allhands: replica group {group}: spare pid {os.getpid()} takes its place",
+              file=sys.stderr, flush=True)
+    else:
+        spares.wait_for_spares(store, cfg.fault.spares, cfg.parallel.timeout_s)
+    # faults name a rank as in the whole job's mesh (group G's local rank L is G * dp_shard + L;
+    # G itself with one rank per group) and fire once per job
+    trainer.faults = FaultInjector(cfg.fault.inject, group * mesh.world_size + mesh.rank, run_dir)
+    quorum = ReplicaQuorum(store, group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
                            dead_s=cfg.parallel.timeout_s, pg_timeout_s=cfg.parallel.timeout_s,
                            min_groups=cfg.fault.min_groups, local_group=mesh.cpu_group(),
-                           secret=rep.secret, address=rep.address)
-    group = ReplicaGroup(quorum, trainer)
+                           secret=rep.secret, address=rep.address, life=life)
+    replica = ReplicaGroup(quorum, trainer)
     try:
         result = trainer.fit()
     except QuorumFinished:  # the others completed the job while this group was joining
         return {}
-    group.finish(trainer.train_state.step)
+    except QuorumStopped as e:  # stopped while waiting: its last checkpoint is what it has
+        raise CleanStop(e.signum, trainer.train_state.step, None, run_dir) from None
+    replica.finish(trainer.train_state.step)
     return result
+
+
+def _why_not(store) -> str | None:
+    """Why a waiting spare gives up: the job is done, or the signal number of a stop."""
+    if store.check(["done"]):
+        return "done"
+    return store.get("stop").decode() if store.check(["stop"]) else None
 
 
 def ps_job(cfg: Config, job: Job) -> Job:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -159,8 +160,9 @@ class ReplicaGroup:
         if not self.q.reform:
             return False
         t0 = time.perf_counter()
+        step = trainer.train_state.step
         while True:
-            q: Quorum = self.q.form(trainer.train_state.step)
+            q: Quorum = self.q.form(step, on_wait=lambda: trainer.heartbeat.beat(step + 1))
             src, me = q.source, q.members.index(self.q.group)
             before = trainer.train_state.step
             behind = [s != q.steps[src] for s in q.steps]  # whose state this heal moves
@@ -175,8 +177,13 @@ class ReplicaGroup:
                       f"({str(e).splitlines()[0][:160]}); state untouched, re-forming",
                       file=sys.stderr, flush=True)
         took = time.perf_counter() - t0
-        self.healed_at.append({"quorum": q.qid, "members": list(q.members), "from_group": q.members[src],
-                               "step": trainer.train_state.step, "seconds": round(took, 4)})
+        event = {"time": time.time(), "pid": os.getpid(), "quorum": q.qid, "members": list(q.members),
+                 "from_group": q.members[src], "was_at": before, "step": trainer.train_state.step,
+                 "seconds": round(took, 4)}
+        self.healed_at.append(event)
+        if trainer.mesh.is_main:  # for ``allhands drill`` and bench/replica.py
+            with open(trainer.run_dir / "quorums.jsonl", "a") as f:
+                f.write(json.dumps(event) + "\n")
         print(f"allhands: replica group {self.q.group}: quorum {q.qid} of groups "
               f"{', '.join(map(str, q.members))} at step {trainer.train_state.step}"
               f"{f' (healed from group {q.members[src]}, was at step {before})' if before != trainer.train_state.step else ''}"
@@ -240,6 +247,11 @@ class ReplicaGroup:
             print(f"allhands: replica group {self.q.group}: step {step + 1} discarded by every member "
                   f"of quorum {q.qid} (a member failed inside it); re-forming", file=sys.stderr, flush=True)
         return ok
+
+    @property
+    def stop(self) -> int:
+        """The stop signal every member agreed on in the last all-reduce (0: none)."""
+        return self.q.stop
 
     def finish(self, step: int) -> None:
         self.q.finish(step)

@@ -175,6 +175,8 @@ class FaultConfig:
                                       "that does not answer (the survivors' stall after a failure), > 0")
     min_groups: int = _f(1, "replica mode: train only while at least this many replica groups are in the "
                             "quorum; with fewer, the survivors wait (in memory) for a replacement, >= 1")
+    spares: int = _f(0, "replica mode: processes started beside the groups that wait, with torch "
+                        "imported, to take a failed group's place within about a second; in [0, 64]")
     node_timeout_s: float = _f(15.0, "multi-node: a node whose agent sent no keep-alive for this long "
                                      "is dropped from the rendezvous (a lost host), >= 3")
     rdzv_last_call_s: float = _f(10.0, "multi-node --nnodes MIN:MAX: once MIN nodes joined a "

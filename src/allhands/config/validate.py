@@ -259,8 +259,12 @@ def _validate_replica(cfg: Config) -> None:
     _check(f.mode in ("restart", "replica"), "fault.mode", "allowed: restart, replica", f.mode)
     _check(f.quorum_timeout_s > 0, "fault.quorum_timeout_s", "must be > 0", f.quorum_timeout_s)
     _check(f.min_groups >= 1, "fault.min_groups", "must be >= 1", f.min_groups)
+    _check(0 <= f.spares <= 64, "fault.spares", "must be in [0, 64]", f.spares)
     if f.mode != "replica":
         return
+    _check(not f.spares or (p.sync == "allreduce" and p.dp_shard == 1), "fault.spares", "spares "
+           "replace groups of one data-parallel process (parallel.sync=allreduce, dp_shard=1) for now; "
+           "set fault.spares=0", f.spares)
     if p.sync == "ps":  # every ps worker restarts alone (launch/psgroups.py); its checks: _validate_ps
         _check(cfg.ps.mode != "sync", "fault.mode", "replica needs ps.mode=async or ssp (sync mode "
                "waits for every worker each step); use fault.mode=restart", f.mode)

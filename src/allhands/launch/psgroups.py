@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import secrets
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -49,7 +50,7 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         procs.append(ctx.Process(target=_group_main, name=f"allhands-ps-{g}",
                                  args=(cfg.to_dict(), job, g, workers + 1, store.port, launch, entry,
                                        group_spec, policy, where)))
-    start_with_secret(procs)
+    start_with_secret(procs, secrets.token_hex(32))
     print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
           f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)
     for p in procs:

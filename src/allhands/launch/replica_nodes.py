@@ -33,7 +33,7 @@ from allhands.authstore import sealed
 from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
-from allhands.errors import LaunchError
+from allhands.errors import ConfigError, LaunchError
 from allhands.launch.listeners import bind_socket, is_wildcard, resolve
 
 _LABEL = b"allhands-replica-quorum-v1"
@@ -67,6 +67,9 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
                       group_spec: Any, policy: Any) -> None:
     """This node's ``nproc`` replica groups of a multi-node replica-mode job, until they end;
     LaunchError when every one of them failed for good."""
+    if cfg.fault.spares:
+        raise ConfigError(f"fault.spares: {cfg.fault.spares} spares run on one node for now; set "
+                          f"fault.spares=0 for a multi-node replica-mode job")
     spec = group_spec  # the job's launch spec with nproc=1: node rank, endpoint, addresses
     host, port = quorum_endpoint(spec)
     secret = replica_secret(admission.job_secret(multi_node=True, secret_file=spec.secret_file,

@@ -10,25 +10,46 @@ them: the restart mode's recovery, kept as the fallback.
 
 The store is a TCPStore on loopback hosted here; every value the workers write to it is MAC'd
 under a secret made for this job (authstore.py), handed to the groups in their environment.
+
+Each group's process is a "slot"; ``fault.spares`` more slots start as spares (sync/spares.py).
+A watcher thread here sees a worker's process die within ``WATCH_S`` (its supervisor needs longer:
+torch's agent polls, then shuts the worker group down), hands its group to an idle spare and posts
+the failure notice, so the survivors neither wait ``fault.quorum_timeout_s`` nor a process start.
+
+A stop signal to this launcher is put in the store (``stop``): the members agree on it in their
+next all-reduce (sync/quorum.py), every group checkpoints the same step, and the job ends with the
+one line of a clean stop; a second signal kills every worker at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from allhands.authstore import sealed
 from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
-from allhands.errors import LaunchError
+from allhands.errors import Interrupted, LaunchError
+from allhands.launch import stop
 from allhands.launch.replica_nodes import run_replica_nodes
+from allhands.launch.supervisor import _alive
+from allhands.stopflag import STOP_SIGNALS, signal_of
+from allhands.sync.spares import hand_over, holder
+
+WATCH_S = 0.02  # how often the watcher looks at every worker's process
 
 
 def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch: Callable,
@@ -41,16 +62,31 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
     run_dir = Path(cfg.run.dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    secret = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_group_main, name=f"allhands-replica-{g}",
                          args=(cfg.to_dict(), job, g, nproc, store.port, launch, entry, group_spec,
-                               policy)) for g in range(nproc)]
-    start_with_secret(procs)
-    print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s), quorum store on "
+                               policy)) for g in range(nproc + cfg.fault.spares)]
+    start_with_secret(procs, secret)
+    spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
+    print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
           f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
-    for p in procs:
-        p.join()
-    failed = [g for g, p in enumerate(procs) if p.exitcode != 0]
+    ours = sealed(store, secret, f"replica store at 127.0.0.1:{store.port}")
+    watcher = Watcher(ours, nproc, procs)
+    with _stop_handling(ours, watcher) as stopping:
+        watcher.start()
+        try:
+            _join(procs, ours, watcher)
+        finally:
+            watcher.halt()
+    codes = [p.exitcode for p in procs]
+    signum = stopping.signum or next((signal_of(c) for c in codes if c and signal_of(c)), None)
+    if signum:
+        spec = dataclasses.replace(group_spec, nproc=nproc)
+        s = stop.Stopped(signum, clean=not stopping.killed and all(c == 0 or signal_of(c) for c in codes))
+        raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
+                          stop.exit_code(signum))
+    failed = [g for g, p in enumerate(procs) if p.exitcode != 0 and g not in watcher.cut_short]
     if len(failed) == len(procs):
         raise LaunchError(f"every replica group failed ({', '.join(map(str, failed))}); see the lines "
                           f"above and {run_dir / 'logs'}")
@@ -60,11 +96,11 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
     del store
 
 
-def start_with_secret(procs: list) -> None:
+def start_with_secret(procs: list, secret: str) -> None:
     """Start ``procs`` with a secret made for this job in their environment (the groups' shared
     store is MAC'd under it); the launcher's own environment is restored."""
     saved = os.environ.get(REPLICA_SECRET_ENV)
-    os.environ[REPLICA_SECRET_ENV] = secrets.token_hex(32)  # inherited by the groups only
+    os.environ[REPLICA_SECRET_ENV] = secret  # inherited by the groups only
     try:
         for p in procs:
             p.start()
@@ -75,16 +111,146 @@ def start_with_secret(procs: list) -> None:
             os.environ[REPLICA_SECRET_ENV] = saved
 
 
+def _join(procs: list, store: dist.Store, watcher: "Watcher") -> None:
+    """Wait for every slot. Once the job is done and every group's last holder has exited, a slot
+    still restarting a worker (its start takes seconds) has nothing left to do: it is ended."""
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.1)
+        if watcher.cut_short or not store.check(["done"]):
+            continue
+        holders = {holder(store, g) for g in range(watcher.n)}
+        if holders <= watcher.dead:
+            for i, p in enumerate(procs):
+                if p.is_alive():
+                    watcher.cut_short.add(i)
+                    for pid in [*_descendants(p.pid), p.pid]:  # its worker first: not an orphan
+                        _kill(pid)
+    for p in procs:
+        p.join()
+
+
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
                 entry: Callable, group_spec: Any, policy: Any) -> None:
-    """One replica group: the single-node launcher with the group's workers, in its own directory."""
+    """One slot (a replica group, or a spare when ``group >= groups``): the single-node launcher
+    with the group's workers, whose logs stay in the slot's directory whichever group it holds."""
     os.environ[REPLICA_ENV] = f"{group},{groups},127.0.0.1,{port}"
     cfg = Config.from_dict(cfg_dict)
-    where = group_dir(Path(cfg.run.dir), group)
+    run_dir = Path(cfg.run.dir)
+    where = group_dir(run_dir, group) if group < groups else run_dir / "replicas" / f"spare-{group - groups}"
     where.mkdir(parents=True, exist_ok=True)
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=cfg.run.threads,
                log_dir=where / "logs", policy=policy, run_dir=where)
+    except Interrupted as e:  # the replicas launcher says the one line for the whole job
+        sys.exit(e.exit_code)
     except LaunchError as e:
         print(f"allhands: replica group {group}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+class Watcher(threading.Thread):
+    """The launcher's eye on every worker process (the roster of sync/spares.py): when one that
+    holds a group dies, its group goes to an idle spare and the failure notice is posted."""
+
+    def __init__(self, store: dist.Store, n_groups: int, slots: list):
+        super().__init__(name="allhands-replica-watcher", daemon=True)
+        self.store, self.n, self.slots = store, n_groups, slots
+        self.pids: dict[str, int] = {}  # incarnation -> pid, in start order
+        self.dead: set[str] = set()
+        self.handovers: list[tuple[float, int, str | None]] = []  # (time, group, spare or None)
+        self.cut_short: set[int] = set()  # slots ended after the job was done
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(WATCH_S):
+            try:
+                self.poll()
+            except Exception as e:  # the store is gone: the job is over
+                if not self._halt.is_set():
+                    print(f"allhands: replica watcher stopped: {e}", file=sys.stderr, flush=True)
+                return
+
+    def halt(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout=5)
+
+    def poll(self) -> None:
+        for i in range(len(self.pids), self.store.add("procs", 0)):
+            life, pid = self.store.get(f"proc/{i}").decode().split(":")
+            self.pids[life] = int(pid)
+        gone = [life for life, pid in self.pids.items() if life not in self.dead and not _alive(pid)]
+        if not gone:
+            return
+        self.dead.update(gone)
+        if self.store.check(["done"]) or self.store.check(["stop"]):  # finished or stopping, not failed
+            return
+        held = {holder(self.store, g): g for g in range(self.n)}
+        for life in gone:
+            g = held.get(life)
+            if g is None:  # a spare or a finished process: no group waits for it
+                self.store.set(f"dead/{life}", "1")
+                continue
+            idle = [s for s in self.pids if s not in self.dead]
+            alive = any(h not in self.dead for h in held if h is not None and h != life)
+            taker = hand_over(self.store, g, life, idle, peers_alive=alive)
+            self.handovers.append((time.time(), g, taker))
+            then = (f"spare pid {self.pids[taker]} takes its place" if taker else
+                    "no spare left: its own restart replaces it")
+            print(f"allhands: replica group {g}: worker pid {self.pids[life]} died; {then}",
+                  file=sys.stderr, flush=True)
+
+
+class _Stopping:
+    def __init__(self, store: dist.Store, watcher: Watcher):
+        self.store, self.watcher, self.signum, self.killed = store, watcher, 0, False
+
+    def on_signal(self, signum: int, frame=None) -> None:
+        if self.signum:  # the second signal: every worker now, then their supervisors
+            self.killed = True
+            for p in self.watcher.slots:
+                if p.pid:
+                    for pid in [*_descendants(p.pid), p.pid]:
+                        _kill(pid)
+            return
+        self.signum = signum
+        self.store.compare_set("stop", "", str(signum))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its agent's worker runs in a session of its own, so the
+    process group would miss it), deepest first, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(children.get(c, []))
+    return out[::-1]
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@contextlib.contextmanager
+def _stop_handling(store: dist.Store, watcher: Watcher):
+    """This launcher's stop signals, for the job's duration (main thread only)."""
+    stopping = _Stopping(store, watcher)
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, stopping.on_signal) for s in STOP_SIGNALS} if main else {}
+    try:
+        yield stopping
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -25,7 +25,8 @@ Keys (all under the store given):
   and fail on another when a third dies mid-ring; the compare-and-set decision makes the outcome
   one for all (torchft's ``should_commit``).
 
-Who may close a quorum early (after ``timeout_s`` without every group registered): a member of
+Who may close a quorum early (after ``timeout_s`` without every group registered, or at once when
+every missing group's holder is dead by the launcher's notice, sync/spares.py): a member of
 the newest quorum, or anyone once every member of it has restarted (a new incarnation: that
 quorum is dead, e.g. every group failed and restarted from its checkpoint), or anyone after
 ``dead_s``. A group that is merely joining waits for the live quorum to let it in, so two
@@ -37,6 +38,14 @@ closes quorums, the other local ranks read the first decided quorum after their 
 holds their group's incarnation, and each local rank all-reduces its own gradient shard with the
 same local rank of the other members (``pg/E/L/``), since rank L of every group holds the same
 slice of every parameter.
+
+A stop (a signal to the launcher or to a group, launch/replicas.py) is agreed like the joiners:
+``stop`` holds the signal number, each member adds whether it saw it to the same all-reduce, and
+every member stops after the same step.
+
+Store hygiene: keys of a step are deleted by their writers once the next step's all-reduce
+completed (every member has read them by then), a quorum's registrations two quorums later, so a
+long job's store does not grow with its steps.
 """
 
 from __future__ import annotations
@@ -51,10 +60,27 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from allhands.admission import admit_peers
+from allhands.stopflag import FLAG
+
+
+def shared_token(local: dist.ProcessGroup | None) -> str:
+    """A fresh incarnation token, local rank 0's for every rank of ``local`` (a group's own world)."""
+    token = torch.frombuffer(bytearray(secrets.token_hex(6).encode()), dtype=torch.uint8)
+    if local is not None:
+        local.broadcast([token]).wait()  # root: local rank 0
+    return bytes(token.numpy()).decode()
 
 
 class QuorumFinished(Exception):
     """The other groups completed the job while this one was joining: nothing left to train."""
+
+
+class QuorumStopped(Exception):
+    """The job was stopped (a signal) while this group waited for a quorum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum} while waiting for a quorum")
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -98,7 +124,7 @@ class ReplicaQuorum:
     def __init__(self, store: dist.Store, group: int, n_groups: int, *, timeout_s: float,
                  dead_s: float, pg_timeout_s: float, min_groups: int = 1,
                  local_group: dist.ProcessGroup | None = None, secret: str | None = None,
-                 address: str = ""):
+                 address: str = "", life: str | None = None):
         self.store, self.group, self.n, self.min_groups = store, group, n_groups, min_groups
         self.secret, self.address = secret, address  # no secret: --insecure, nothing to prove
         self.timeout_s, self.dead_s, self.pg_timeout_s = timeout_s, dead_s, pg_timeout_s
@@ -107,19 +133,16 @@ class ReplicaQuorum:
         self.local = local_group if local_group is not None and local_group.size() > 1 else None
         self.rank = self.local.rank() if self.local is not None else 0
         self.ranks = self.local.size() if self.local is not None else 1
-        self.life = self._shared_token()
-        if self.rank == 0:
-            self.store.set(f"life/{group}", self.life)
+        if life is None:  # not given by the worker (which registered it: sync/spares.py)
+            life = shared_token(self.local)
+            if self.rank == 0:
+                self.store.set(f"life/{group}", life)
+        self.life = life
         self.quorum: Quorum | None = None
         self.pg: dist.ProcessGroup | None = None
         self.reform = True  # no quorum yet
-
-    def _shared_token(self) -> str:
-        """A fresh incarnation token, local rank 0's for every rank of the group."""
-        token = torch.frombuffer(bytearray(secrets.token_hex(6).encode()), dtype=torch.uint8)
-        if self.local is not None:
-            self.local.broadcast([token]).wait()  # root: local rank 0
-        return bytes(token.numpy()).decode()
+        self.stop = 0  # a stop signal every member agreed on (0: none)
+        self._stale: list[str] = []  # keys this member wrote, deleted once every member read them
 
     # -- forming a quorum
     def _latest(self) -> Quorum | None:
@@ -136,12 +159,20 @@ class ReplicaQuorum:
         restarted = [self.store.get(f"life/{g}").decode() != life for g, life in zip(prev.members, prev.lives)]
         return all(restarted)
 
-    def form(self, step: int) -> Quorum:
+    def _missing_dead(self, missing: list[int]) -> bool:
+        """Every group in ``missing`` is held by a process the launcher saw die (sync/spares.py)."""
+        lives = [self.store.get(f"life/{g}").decode() if self.store.check([f"life/{g}"]) else ""
+                 for g in missing]
+        return all(life and self.store.check([f"dead/{life}"]) for life in lives)
+
+    def form(self, step: int, on_wait=None) -> Quorum:
         """Register at the next quorum with this group's step; return the decided one, with this
-        group in it (retrying at the next quorum id when it was decided without this group)."""
+        group in it (retrying at the next quorum id when it was decided without this group).
+        ``on_wait`` is called about once a second while waiting (the worker's heartbeat, so that
+        the hang watchdog does not take a wait for a replacement for a hang)."""
         self.pg = None  # the old group's connections close with it
         if self.rank > 0:
-            return self._follow()
+            return self._follow(on_wait)
         while True:
             prev = self._latest()
             e = prev.qid + 1 if prev else 1
@@ -151,28 +182,40 @@ class ReplicaQuorum:
                 # quorum that includes this group already counts its request.
                 self.store.add("joiners", 1)
             self.store.set(f"q/{e}/m/{self.group}", f"{step}:{self.life}")
-            start = time.monotonic()
+            start = beat = time.monotonic()
             while not self.store.check([f"q/{e}/members"]):
                 if self.store.check(["done"]):
                     raise QuorumFinished()
+                if self.store.check(["stop"]):
+                    raise QuorumStopped(int(self.store.get("stop")))
                 keys = [f"q/{e}/m/{g}" for g in range(self.n)]
                 present = [g for g, k in enumerate(keys) if self.store.check([k])]
-                waited = time.monotonic() - start
-                if len(present) == self.n or (waited >= self.timeout_s and len(present) >= self.min_groups
-                                              and self._may_close(prev, waited)):
+                now = time.monotonic()
+                waited = now - start
+                if on_wait is not None and now - beat >= 1.0:
+                    on_wait()
+                    beat = now
+                if len(present) == self.n or (len(present) >= self.min_groups and (
+                        waited >= self.timeout_s or self._missing_dead(
+                            [g for g in range(self.n) if g not in present]))
+                        and self._may_close(prev, waited)):
                     self._close(e, present)
                     break
-                time.sleep(0.01)
+                time.sleep(0.005)
             q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
             if self.group in q.members and q.lives[q.members.index(self.group)] == self.life:
                 self.quorum, self.reform = q, False
                 self.pg = self._group(q)
+                self._stale.append(f"q/{e}/m/{self.group}")
+                if q.members[0] == self.group and e > 2:  # nobody reads a quorum two back
+                    self._stale.append(f"q/{e - 2}/members")
                 return q
 
-    def _follow(self) -> Quorum:
+    def _follow(self, on_wait=None) -> Quorum:
         """A local rank > 0: the first quorum after this rank's last one that holds this group's
         incarnation, which is the one local rank 0 was let into (it returns at the first)."""
         e = self.quorum.qid + 1 if self.quorum else 1
+        beat = time.monotonic()
         while True:
             if self.store.check([f"q/{e}/members"]):
                 q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
@@ -181,9 +224,16 @@ class ReplicaQuorum:
                     self.pg = self._group(q)
                     return q
                 e += 1
+            elif self.store.check(["epoch"]) and int(self.store.get("epoch")) > e:
+                e += 1  # a quorum without this group, its keys deleted since
             elif self.store.check(["done"]):
                 raise QuorumFinished()
+            elif self.store.check(["stop"]):
+                raise QuorumStopped(int(self.store.get("stop")))
             else:
+                if on_wait is not None and time.monotonic() - beat >= 1.0:
+                    on_wait()
+                    beat = time.monotonic()
                 time.sleep(0.01)
 
     def _close(self, e: int, present: list[int]) -> None:
@@ -219,7 +269,10 @@ class ReplicaQuorum:
         is discarded everywhere and the quorum re-forms before the next try."""
         q = self.quorum
         assert q is not None and self.pg is not None
-        joiners = torch.tensor([float(self.store.add("joiners", 0))])
+        stopping = bool(FLAG.signum) or self.store.check(["stop"])
+        if FLAG.signum:  # a signal that reached this group: the first one is the job's
+            self.store.compare_set("stop", "", str(FLAG.signum))
+        joiners = torch.tensor([float(self.store.add("joiners", 0)), float(stopping)])
         flat = _flatten_dense_tensors([g.detach().float() for g in grads] + [joiners])
         try:
             self.pg.allreduce([flat]).wait()
@@ -234,14 +287,22 @@ class ReplicaQuorum:
         for g, r in zip(grads, reduced):
             g.copy_(r)
         # Every member summed the same counters: all of them re-form after this step, or none.
-        # The ranks of one group read the counter at different moments: they take the largest.
-        seen = torch.tensor([float(total)])
+        # The ranks of one group read the counters at different moments: they take the largest.
+        seen = total.clone()
         if self.local is not None:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
             self.local.allreduce([seen], opts).wait()
-        if float(seen) > len(q.members) * q.joiners:
+        total = seen
+        if float(total[0]) > len(q.members) * q.joiners:
             self.reform = True
+        if float(total[1]) > 0:  # some member saw the stop, which it stored before reducing
+            self.stop = int(self.store.get("stop"))
+        # Every member completed this all-reduce, so each has read the previous step's keys.
+        for key in self._stale:
+            self.store.delete_key(key)
+        self._stale = [f"ok/{q.qid}/{step}/{self.group}.{self.rank}"] + (
+            [f"d/{q.qid}/{step}"] if q.members[0] == self.group and self.rank == 0 else [])
         return True
 
     def _decide(self, q: Quorum, step: int, ok: bool) -> bytes:
