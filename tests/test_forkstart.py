@@ -1,7 +1,8 @@
 """Workers forked from the launcher's preloaded forkserver (launch/forkstart.py) start as spawned
 ones did: in the launcher's environment as it is at the start (not as it was when the server
 started), with its stdout and stderr, temporary directory and thread setting and no blocked
-signal, knowing their launcher; and the server and the workers go when the launcher is SIGKILLed."""
+signal, knowing their launcher; the server outlives a stop signal to the process group, and goes with
+the workers when the launcher is SIGKILLed."""
 
 from __future__ import annotations
 
@@ -117,6 +118,10 @@ def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_e
     below = descendants(p.pid)
     server = [c for c, up in below.items() if up == p.pid and b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(server) == 1 and list(below.values()).count(server[0]) == 2  # the server and its 2 workers
+    for sig in forkstart.SHIELDED:  # as a signal to the whole process group would reach it
+        os.kill(server[0], sig)
+    time.sleep(0.5)
+    assert alive(server[0]) and p.poll() is None
     p.kill()
     p.wait()
     deadline = time.monotonic() + 60

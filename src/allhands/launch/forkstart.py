@@ -20,6 +20,11 @@ given here:
   of a step) reaches the server too; its end would report every worker as exited with code 255
   while they stop cleanly. The server starts with them blocked (a signal mask survives fork and
   exec) and each worker unblocks them first thing, so one pending for it is delivered then.
+
+What the preload leaves in the server: no open file but its own socket and pipes, and one idle
+native thread that ``import torch`` starts; a fork keeps only the forking thread, as it does for
+every DataLoader worker forked from a process that imported torch (torch resets its thread pools
+in the child with ``pthread_atfork``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import signal
 import tempfile
 import threading
-from multiprocessing import forkserver, reduction
+from multiprocessing import forkserver, reduction, resource_tracker
 from typing import Any, Callable
 
 import torch
@@ -57,6 +62,8 @@ def ensure_server() -> str:
         if fs._forkserver_pid is None or fs._forkserver_pid == _server["pid"]:
             forkserver.set_forkserver_preload(PRELOAD)
             environ = dict(os.environ)
+            # First, unshielded: starting the tracker unblocks SIGINT and SIGTERM on its way out.
+            resource_tracker.ensure_running()
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
             try:
                 forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
