@@ -1,6 +1,6 @@
 """Workers forked from the launcher's preloaded forkserver (launch/forkstart.py) start as spawned
 ones did: in the launcher's environment as it is at the start (not as it was when the server
-started), with its stdout and stderr, temporary directory and thread setting and no blocked
+started), with its umask, stdout and stderr, temporary directory and thread setting and no blocked
 signal, knowing their launcher; the server outlives a stop signal to the process group, and goes with
 the workers when the launcher is SIGKILLed."""
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from allhands import safefs
 from allhands.launch import forkstart
 from allhands.launch.launcher import LaunchSpec, launch
 
@@ -29,24 +30,21 @@ def probe(out: str) -> None:
     info = {"env": {k: v for k, v in os.environ.items() if k.startswith(("ALLHANDS_", "TMPDIR", "RANK"))},
             "tmp": tempfile.gettempdir(), "threads": torch.get_num_threads(), "ppid": os.getppid(),
             "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-            "alive_fd": forkserver._forkserver._forkserver_alive_fd}
+            "alive_fd": forkserver._forkserver._forkserver_alive_fd,
+            "umask": next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Umask:"))}
     Path(out, f"rank-{os.environ['RANK']}.json").write_text(json.dumps(info))
     print(f"probe rank {os.environ['RANK']}", file=sys.stderr, flush=True)
 
 
-def test_the_unset_list_names_what_the_launcher_dropped_since_the_server_started(monkeypatch):
-    monkeypatch.setitem(forkstart._server, "environ", {"KEPT": "old", "DROPPED": "1", "RANK": "7"})
-    monkeypatch.setattr(os, "environ", {"KEPT": "new", "ADDED": "2"})
-    envs = {0: {"RANK": "0"}, 1: {"RANK": "1"}}
-    forkstart.complete_envs(envs)
-    assert envs[1] == {"KEPT": "new", "ADDED": "2", "RANK": "1", forkstart.UNSET_ENV: "DROPPED"}
-
-
 def test_a_forked_worker_starts_in_the_launchers_environment_of_now(tmp_path, monkeypatch):
-    forkserver._forkserver._stop()  # a fresh server, started with the variables below
+    forkserver._forkserver._stop()  # a fresh server, started with the variables and umask below
     monkeypatch.setenv("ALLHANDS_TEST_DROPPED", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert forkstart.ensure_server() == "forkserver"
+    umask = os.umask(0o022)
+    try:
+        assert forkstart.ensure_server() == "forkserver"
+    finally:
+        os.umask(umask)
     monkeypatch.delenv("ALLHANDS_TEST_DROPPED")
     monkeypatch.setenv("ALLHANDS_TEST_ADDED", "2")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -65,9 +63,9 @@ def test_a_forked_worker_starts_in_the_launchers_environment_of_now(tmp_path, mo
         env = info["env"]
         assert env["RANK"] == str(r)  # torch's own variables win
         assert env["ALLHANDS_TEST_ADDED"] == "2" and "ALLHANDS_TEST_DROPPED" not in env
-        assert forkstart.UNSET_ENV not in env
+        assert int(info["umask"], 8) == safefs.PRIVATE_UMASK != 0o022  # launch()'s, not the server's
         assert env["ALLHANDS_LAUNCHER_PID"] == str(os.getpid())
-        assert info["ppid"] == forkstart._server["pid"]  # forked by the server, not spawned
+        assert info["ppid"] == forkstart._server_pid[0]  # forked by the server, not spawned
         assert info["tmp"] == env["TMPDIR"] and env["TMPDIR"] != os.environ.get("TMPDIR")  # private_tmp's
         assert info["threads"] == 2
         assert not set(info["blocked"]) & {int(s) for s in forkstart.SHIELDED}

@@ -169,13 +169,6 @@ class LocalAgent(LocalElasticAgent):
                     local_rank=w.local_rank, pid=pid, exitcode=code,
                     error_file=self._pcontext.error_files[w.local_rank])
 
-    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
-        # torch's _start_workers hands every worker's environment dict to this hook just before
-        # it starts them: a forked worker gets the launcher's current environment here.
-        super()._setup_local_watchdog(envs)
-        if self._start_method == "forkserver":
-            forkstart.complete_envs(envs)
-
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # Workers take SIGTERM as a request for a clean stop at the next step (stopflag.py); when
         # the agent stops them (a failed peer, a restart) they must go at once, as they did on
@@ -285,7 +278,7 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
     method = forkstart.ensure_server() if callable(spec_kw["entrypoint"]) else "spawn"
     if method == "forkserver":
         spec_kw = {**spec_kw, "entrypoint": forkstart.forked,
-                   "args": (forkstart.Stdio(), spec_kw["entrypoint"], *spec_kw["args"])}
+                   "args": (forkstart.Inherited(), spec_kw["entrypoint"], *spec_kw["args"])}
     spec = WorkerSpec(rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), **spec_kw)
     if policy is None:
         agent = LocalAgent(spec=spec, logs_specs=logs_specs, start_method=method)

@@ -3,19 +3,22 @@ per launcher, not once per worker and again on every restart.
 
 torch's agent starts workers with a multiprocessing start method; with ``forkserver`` (Python's
 ``multiprocessing.forkserver``), every worker is a fork of one server process that imported the
-modules in :data:`PRELOAD` when it started. What a spawned worker got for free, a forked one is
-given here:
+modules in :data:`PRELOAD` when it started. What a spawned worker got from its launcher at the
+start, a forked one would take from the server as it was when *it* started; so it is given:
 
-- **The launcher's environment as it is at the start**, not as it was when the server started:
-  torch's agent passes each worker only its own variables (RANK, MASTER_PORT, ...), so
-  :func:`complete_envs` adds the launcher's whole current environment (the job secret, TMPDIR,
-  GLOO_SOCKET_IFNAME, the attempt) and names what the launcher has unset since, which
-  :func:`forked` removes in the worker; ``tempfile.tempdir`` is recomputed from it there.
+- **The launcher's environment, umask, stdout and stderr as they are at the start**: the job
+  secret, TMPDIR, GLOO_SOCKET_IFNAME and the attempt are set after the server started, variables
+  may have been unset since, the job runs under a private umask (safefs.py), and a process running
+  jobs one after another may have redirected its output (pytest's capture, a notebook). An
+  :class:`Inherited` in the worker's arguments captures them as torch pickles the worker for the
+  server and applies them as the worker unpickles it, before torch's ``_wrap`` sets the worker's
+  own variables (RANK, MASTER_PORT, ...) and redirects its output to log files, if so. The working
+  directory and ``sys.path`` travel with multiprocessing's own preparation data;
+  ``tempfile.tempdir`` and torch's thread count, read once by the server, are recomputed.
 - **Dying with the launcher.** A worker's parent is the server, which exits when its launcher does
   (its "alive" pipe reaches EOF); torch's workers then get SIGINT (``PR_SET_PDEATHSIG``, as they
   did from a spawning launcher). A forked worker inherits the write end of that pipe and would
   keep the server, hence itself, alive: :func:`forked` closes it.
-- **Its stdout and stderr** as they are at the start, not the server's: :class:`Stdio`.
 - **Signals.** A stop signal for the whole process group (Ctrl-C, Slurm's SIGTERM to every process
   of a step) reaches the server too; its end would report every worker as exited with code 255
   while they stop cleanly. The server starts with them blocked (a signal mask survives fork and
@@ -45,23 +48,21 @@ PRELOAD = ["allhands.launch.launcher", "allhands.worker"]
 # torch's agent forwards SIGHUP and SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE), the launcher SIGINT,
 # SIGTERM and SIGUSR1 (stop.py); the server ignores SIGINT itself.
 SHIELDED = {signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT}
-UNSET_ENV = "ALLHANDS_FORKSERVER_UNSET"
 
 _lock = threading.Lock()
-_server: dict[str, Any] = {"pid": None, "environ": {}}  # ours, and the environment it started with
+_server_pid: list[int | None] = [None]  # the forkserver this module started
 
 
 def ensure_server() -> str:
     """Start this process's forkserver (once) with :data:`PRELOAD`; the start method for torch's
-    agent: ``forkserver``, or ``spawn`` where there is none (macOS, Windows) or another part of
-    this process started one without our preload and environment record."""
+    agent: ``forkserver``, or ``spawn`` where there is none (Windows) or another part of this
+    process started one without our preload and signal mask."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     fs = forkserver._forkserver
     with _lock:
-        if fs._forkserver_pid is None or fs._forkserver_pid == _server["pid"]:
+        if fs._forkserver_pid is None or fs._forkserver_pid == _server_pid[0]:
             forkserver.set_forkserver_preload(PRELOAD)
-            environ = dict(os.environ)
             # First, unshielded: starting the tracker unblocks SIGINT and SIGTERM on its way out.
             resource_tracker.ensure_running()
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
@@ -69,32 +70,17 @@ def ensure_server() -> str:
                 forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if fs._forkserver_pid != _server["pid"]:
-                _server.update(pid=fs._forkserver_pid, environ=environ)
-        return "forkserver" if fs._forkserver_pid == _server["pid"] else "spawn"
+            _server_pid[0] = fs._forkserver_pid
+        return "forkserver" if fs._forkserver_pid == _server_pid[0] else "spawn"
 
 
-def complete_envs(envs: dict[int, dict[str, str]]) -> None:
-    """Make each worker's environment dict (torch's, for its ``_wrap``) the launcher's current
-    environment under torch's own variables, plus the list of what :func:`forked` must unset."""
-    now = dict(os.environ)
-    for env in envs.values():
-        own = dict(env)
-        env.clear()
-        env.update(now)
-        env.update(own)
-        env[UNSET_ENV] = "\n".join(k for k in _server["environ"] if k not in env)
-
-
-class Stdio:
-    """The launcher's stdout and stderr as they are when a worker starts (a process running jobs
-    one after another may have redirected them since the server started: pytest's capture, a
-    notebook), sent along with the worker as multiprocessing's ``DupFd`` and made the worker's
-    fds 1 and 2 as it is unpickled, before torch's ``_wrap`` redirects them to log files, if so."""
+class Inherited:
+    """The launcher's environment, umask, stdout and stderr at the start of a worker (see above):
+    captured as torch pickles the worker, applied as the worker unpickles it."""
 
     def __reduce__(self):
         fds = [fd for fd in (1, 2) if _is_open(fd)]
-        return _install_stdio, (fds, [reduction.DupFd(fd) for fd in fds])
+        return _inherit, (dict(os.environ), _umask(), fds, [reduction.DupFd(fd) for fd in fds])
 
 
 def _is_open(fd: int) -> bool:
@@ -105,20 +91,32 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _install_stdio(fds: list[int], dups: list[Any]) -> None:
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would, for a moment, for every
+    thread of the launcher) where Linux shows it."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o077)
+        os.umask(mask)
+        return mask
+
+
+def _inherit(environ: dict[str, str], umask: int, fds: list[int], dups: list[Any]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.umask(umask)
     for fd, dup in zip(fds, dups):
         got = dup.detach()
         os.dup2(got, fd)
         os.close(got)
 
 
-def forked(_stdio: Any, entrypoint: Callable, *args: Any) -> Any:
-    """The workers' entry point under the forkserver: the environment, temporary directory, the
-    server's lifetime and signal mask as described above, then ``entrypoint(*args)``. ``_stdio``
-    (a :class:`Stdio` in the launcher) did its work as it was unpickled."""
-    for key in os.environ.pop(UNSET_ENV, "").split("\n"):
-        if key:
-            os.environ.pop(key, None)
+def forked(_inherited: Any, entrypoint: Callable, *args: Any) -> Any:
+    """The workers' entry point under the forkserver: the temporary directory, thread count,
+    server's lifetime and signal mask as described above, then ``entrypoint(*args)``.
+    ``_inherited`` (an :class:`Inherited` in the launcher) did its work as it was unpickled."""
     tempfile.tempdir = None  # computed again from TMPDIR if the server's preload computed it
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # torch read it once, when the server imported it
