@@ -6,7 +6,8 @@ torch's agent starts workers with a multiprocessing start method; with ``forkser
 modules in :data:`PRELOAD` when it started. What a spawned worker got from its launcher at the
 start, a forked one would take from the server as it was when *it* started; so it is given:
 
-- **The launcher's environment, umask, stdout and stderr as they are at the start**: the job
+- **The launcher's environment, umask, stdout, stderr and ignored signals as they are at the
+  start**: the job
   secret, TMPDIR, GLOO_SOCKET_IFNAME and the attempt are set after the server started, variables
   may have been unset since, the job runs under a private umask (safefs.py), and a process running
   jobs one after another may have redirected its output (pytest's capture, a notebook). An
@@ -80,7 +81,9 @@ class Inherited:
 
     def __reduce__(self):
         fds = [fd for fd in (1, 2) if _is_open(fd)]
-        return _inherit, (dict(os.environ), _umask(), fds, [reduction.DupFd(fd) for fd in fds])
+        # exec keeps an ignored signal ignored and resets a handled one: what a spawned worker got
+        ignored = [int(s) for s in (signal.SIGINT, *SHIELDED) if signal.getsignal(s) == signal.SIG_IGN]
+        return _inherit, (dict(os.environ), _umask(), fds, [reduction.DupFd(fd) for fd in fds], ignored)
 
 
 def _is_open(fd: int) -> bool:
@@ -103,7 +106,10 @@ def _umask() -> int:
         return mask
 
 
-def _inherit(environ: dict[str, str], umask: int, fds: list[int], dups: list[Any]) -> None:
+def _inherit(environ: dict[str, str], umask: int, fds: list[int], dups: list[Any], ignored: list[int]) -> None:
+    for sig in (signal.SIGINT, *SHIELDED):  # not the server's: it may have started with SIGINT ignored
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else
+                      signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(environ)
     os.umask(umask)
