@@ -274,31 +274,39 @@ def test_failure_lines_name_the_lost_peer_node_and_its_ranks():
                     "on node h failed: its peer worker rank 1 died (killed by SIGKILL)")
 
 
-def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch():
-    """The settle check (elastic.exited_with_failure) tells a worker that exited with an error or
-    a signal from one still running or done, and leaves the exit status for torch's process
-    context to collect (here: Popen.wait still gets it)."""
-    from allhands.launch.elastic import exited_with_failure
+def ends_with(code: int) -> None:
+    """A worker that exits with ``code`` (-N: killed by signal N; 99: still running) after 0.3 s."""
+    time.sleep(0.3 if code != 99 else 60)
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    os._exit(code)  # not through torch's ``record``, which keeps a worker that exits 0 waiting
 
-    code = "import os, sys, time; time.sleep(0.3); {}"
-    procs = {what: subprocess.Popen([sys.executable, "-c", code.format(end)]) for what, end in (
-        ("error", "sys.exit(3)"), ("signal", "os.kill(os.getpid(), 9)"), ("done", "pass"),
-        ("running", "time.sleep(60)"))}
+
+def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch(tmp_path):
+    """The settle check (elastic.exit_codes) tells a worker that exited with an error or a signal
+    from one still running or done, from the process objects of torch's own process context
+    (forked workers are the forkserver's children, not this process's), and leaves the failure
+    for torch's monitor to report."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from allhands.launch import forkstart
+    from allhands.launch.elastic import exit_codes
+
+    ends = {0: 3, 1: -9, 2: 0, 3: 99}
+    ctx = start_processes("t", ends_with, args={r: (c,) for r, c in ends.items()}, envs={r: {} for r in ends},
+                          logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                          start_method=forkstart.ensure_server())
     try:
-        assert not any(exited_with_failure(p.pid) for p in procs.values())  # all still running
+        assert not any(exit_codes(ctx).values())  # all still running
         deadline = time.monotonic() + 60
-        while not all(exited_with_failure(procs[w].pid) for w in ("error", "signal")):
-            assert time.monotonic() < deadline, "the failed children were never seen"
+        while exit_codes(ctx)[2] is None or not (exit_codes(ctx)[0] and exit_codes(ctx)[1]):
+            assert time.monotonic() < deadline, f"the children were never seen to end: {exit_codes(ctx)}"
             time.sleep(0.05)
-        os.waitid(os.P_PID, procs["done"].pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
-        assert not exited_with_failure(procs["done"].pid)
-        assert procs["done"].wait(timeout=60) == 0
-        assert not exited_with_failure(procs["done"].pid)  # and once torch reaped it
-        assert not exited_with_failure(procs["running"].pid)
-        assert (procs["error"].wait(timeout=5), procs["signal"].wait(timeout=5)) == (3, -9)
+        assert exit_codes(ctx) == {0: 3, 1: -9, 2: 0, 3: None}
+        result = ctx.wait(0)  # torch's monitor still sees a failure, with its exit code
+        assert result.is_failed() and [f.exitcode == ends[r] for r, f in result.failures.items()] == [True]
     finally:
-        procs["running"].kill()
-        procs["running"].wait()
+        ctx.close()
 
 
 def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tmp_path):
@@ -330,8 +338,8 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
             assert time.monotonic() < deadline, "rank 0 never exited"
             time.sleep(0.01)
         agent = LocalAgent.__new__(LocalAgent)  # only the process context is read
-        agent._pcontext = SimpleNamespace(pids=lambda: {r: p.pid for r, p in procs.items()},
-                                          error_files=files)
+        agent._pcontext = SimpleNamespace(pids=lambda: {r: p.pid for r, p in procs.items()}, error_files=files,
+                                          subprocess_handlers={r: SimpleNamespace(proc=p) for r, p in procs.items()})
         exits = agent._settle_local_exits()
         assert sorted(exits) == [0, 1] and exits[1] == (procs[1].pid, 1)
         result = SimpleNamespace(failures={0: ProcessFailure(0, procs[0].pid, 1, str(files[0]))})

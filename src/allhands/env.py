@@ -67,6 +67,7 @@ class WorkerEnv:
     attempt: int = 0  # restarts before this one (ours or torch's agent's)
     heartbeat_dir: str = ""  # where the supervisor's hang watchdog expects heartbeats
     started_at: float = 0.0  # time.time() when the launcher started this attempt; 0: unknown
+    launcher_pid: int = 0  # the launcher's process (a worker's parent may be its forkserver); 0: unknown
 
 
 def worker_env() -> WorkerEnv:
@@ -77,7 +78,8 @@ def worker_env() -> WorkerEnv:
     return WorkerEnv(int(e.get("RANK", 0)), int(e.get("LOCAL_RANK", 0)), int(e.get("WORLD_SIZE", 1)),
                      launched, attempt if launched else 0,
                      e.get("ALLHANDS_HEARTBEAT_DIR", "") if launched else "",
-                     float(e.get("ALLHANDS_STARTED_AT", 0) or 0) if launched else 0.0)
+                     float(e.get("ALLHANDS_STARTED_AT", 0) or 0) if launched else 0.0,
+                     int(e.get("ALLHANDS_LAUNCHER_PID", 0) or 0) if launched else 0)
 
 
 def gloo_interface() -> str | None:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from allhands.env import worker_env
 from allhands.errors import AllhandsError, ConfigError
 from allhands.stopflag import FLAG, STOP_SIGNALS
 
@@ -197,7 +198,7 @@ class FaultInjector:
             return loss
         f = self._take(step, ("exception", "oom")) or self._take(step, None)
         if f is not None and f.signal is not None:
-            os.kill(os.getppid() if f.to_launcher else os.getpid(), f.signal)
+            os.kill((worker_env().launcher_pid or os.getppid()) if f.to_launcher else os.getpid(), f.signal)
             # A stop signal comes back (forwarded) or is handled here: the step goes on and the
             # job stops after it. Another signal's default action may take a moment.
             FLAG.wait(60) if f.signal in STOP_SIGNALS else time.sleep(60)

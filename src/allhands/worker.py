@@ -48,7 +48,7 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
         validate(cfg, world_size=env.world_size, need_data=False)
     rank, world, store, roles = env.rank, env.world_size, None, None
     t = time.time()
-    if env.started_at:  # the agent's rendezvous, spawning this process, importing torch
+    if env.started_at:  # the agent's rendezvous, starting this process (a fork of a preloaded server)
         _say(env.rank, slow_phase(f"starting {env.world_size} workers", t - env.started_at))
     if p.sync == "ps":  # the last ps.servers ranks serve; the workers' mesh spans the rest
         roles = ps_roles(cfg.ps.servers, env.rank, env.world_size, p.timeout_s)
@@ -185,7 +185,7 @@ def run_ps_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:
 
 
 def worker_main(cfg_dict: dict, job: Any) -> None:
-    """Entry point of each spawned worker (module level so that spawn can pickle it)."""
+    """Entry point of each worker (module level so that multiprocessing can pickle it)."""
     try:
         with reported_failures():
             run_training(Config.from_dict(cfg_dict), job)

@@ -21,7 +21,6 @@ into one line each.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -41,7 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from allhands.errors import LaunchError
 from allhands.heartbeat import clear_heartbeats, progressed, take_hangs
-from allhands.launch import stop
+from allhands.launch import forkstart, stop
 from allhands.launch.policy import Decision, RestartPolicy, WorkerFailure, say
 
 # gloo's words for a peer that went away: "[.../pair.cc:553] Connection closed by peer
@@ -127,28 +126,17 @@ SETTLE_S = 10.0
 LOCAL_SETTLE_S = 3.0
 
 
-def exit_status(pid: int) -> int | None:
-    """The exit code of the child ``pid`` (a worker of this agent; -N: killed by signal N) if it
-    has exited, None while it runs or once reaped.
-
-    ``waitid(WNOWAIT)`` reads the status of an exited child without reaping it, so torch's
-    process context still collects it (and its error file) as usual. A child already reaped was
-    collected by torch's monitor: not a new failure. Without ``os.waitid`` (macOS before Python
-    3.13) nothing is seen and the agent acts at once, as torch does."""
-    if not hasattr(os, "waitid"):
-        return None
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return None
-    if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def exited_with_failure(pid: int) -> bool:
-    """The child ``pid`` has exited with a non-zero code or a signal (see :func:`exit_status`)."""
-    return bool(exit_status(pid))
+def exit_codes(pcontext: Any) -> dict[int, int | None]:
+    """``{local rank: exit code}`` of the workers of torch's process context (-N: killed by
+    signal N; None while running). Read from the process objects the context itself keeps
+    (multiprocessing's for a function entry point, ``Popen`` for a program), which keep the code
+    once read, so torch's monitor still collects every exit and error file as usual. A forkserver's
+    workers are not this process's children: only their process objects know how they ended."""
+    pc = getattr(pcontext, "_pc", None)
+    if pc is not None:
+        return {lr: p.exitcode for lr, p in enumerate(pc.processes)}
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    return {lr: h.proc.poll() for lr, h in handlers.items()}
 
 
 class LocalAgent(LocalElasticAgent):
@@ -162,12 +150,12 @@ class LocalAgent(LocalElasticAgent):
         """``{local rank: (pid, exit code)}`` of this node's workers that have exited. Once one
         failed, the others get up to ``LOCAL_SETTLE_S`` to exit by themselves first (see there)."""
         pids = self._pcontext.pids() if self._pcontext is not None else {}
-        codes = {lr: exit_status(pid) for lr, pid in pids.items()}
+        codes = exit_codes(self._pcontext)
         if any(codes.values()) and None in codes.values():
             deadline = time.monotonic() + LOCAL_SETTLE_S
             while None in codes.values() and time.monotonic() < deadline:
                 time.sleep(0.05)
-                codes = {lr: exit_status(pid) for lr, pid in pids.items()}
+                codes = exit_codes(self._pcontext)
         return {lr: (pids[lr], c) for lr, c in codes.items() if c is not None}
 
     def _add_local_failures(self, result, worker_group, exits: dict[int, tuple[int, int]]) -> None:
@@ -212,10 +200,9 @@ class SupervisedAgent(LocalAgent):
         """Wait up to ``within_s`` for a worker of this node to exit with a failure; True if one
         did (torch's next ``_monitor_workers`` then reports it). See
         NarrowRendezvousHandler.num_nodes_waiting for when this is asked."""
-        pids = list(self._pcontext.pids().values()) if self._pcontext is not None else []
         deadline = time.monotonic() + within_s
-        while pids:
-            if any(exited_with_failure(p) for p in pids):
+        while self._pcontext is not None:
+            if any(exit_codes(self._pcontext).values()):
                 return True
             if time.monotonic() >= deadline:
                 break
@@ -288,13 +275,17 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
               node_timeout_s: float, external_store: bool = False) -> dict[int, Any]:
     """``launch_agent`` with :class:`SupervisedAgent` (``policy`` None: :class:`LocalAgent`, for a
     single node, which restarts outside). Raises WorkerFailure / LaunchError with one line."""
+    method = forkstart.ensure_server() if callable(spec_kw["entrypoint"]) else "spawn"
+    if method == "forkserver":
+        spec_kw = {**spec_kw, "entrypoint": forkstart.forked,
+                   "args": (forkstart.Inherited(), spec_kw["entrypoint"], *spec_kw["args"])}
     spec = WorkerSpec(rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), **spec_kw)
     if policy is None:
-        agent = LocalAgent(spec=spec, logs_specs=logs_specs, start_method="spawn")
+        agent = LocalAgent(spec=spec, logs_specs=logs_specs, start_method=method)
     else:
         agent = SupervisedAgent(spec, policy=policy, run_dir=run_dir, heartbeat_dir=heartbeat_dir,
                                 node=node, node_timeout_s=node_timeout_s, logs_specs=logs_specs,
-                                start_method="spawn")
+                                start_method=method)
     shutdown = True
     stop.CURRENT.workers = lambda: agent._pcontext.pids().values() if agent._pcontext else ()
     try:

@@ -33,7 +33,7 @@ from allhands import admission, safefs
 from allhands.authstore import IntrusionError
 from allhands.config import Config, replica_group_size, validate
 from allhands.errors import ConfigError, Interrupted, LaunchError
-from allhands.launch import rendezvous, stop
+from allhands.launch import forkstart, rendezvous, stop
 from allhands.launch.elastic import node_label, run_agent
 from allhands.launch.rendezvous import Timeouts
 from allhands.launch.policy import RestartPolicy
@@ -210,6 +210,9 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         print(warning, file=sys.stderr, flush=True)
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
     _quiet_intrusions_in_threads()
+    # Before the private temporary directory: the forkserver outlives this job (the next one in
+    # this process reuses it) and multiprocessing puts its socket in the temporary directory.
+    forkstart.ensure_server()
     if policy is None:
         policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
 
@@ -218,6 +221,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         os.environ["ALLHANDS_ATTEMPT"] = str(n)
         os.environ["ALLHANDS_HEARTBEAT_DIR"] = str(heartbeat_dir)
         os.environ["ALLHANDS_STARTED_AT"] = repr(time.time())  # rank 0 says a slow start
+        os.environ["ALLHANDS_LAUNCHER_PID"] = str(os.getpid())  # a forked worker's parent is not
         _launch_once(entrypoint, args, spec, log_dir=log_dir,
                      policy=policy if spec.multi_node else None, heartbeat_dir=heartbeat_dir,
                      run_dir=run_dir, timeouts=timeouts)
