@@ -26,6 +26,15 @@ TINY = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_stop_left_over():
+    """The process's stop flag starts clear: a test that stopped a job in-process (the API's
+    Ctrl-C) leaves it set, and a later test in the same pytest worker would see a stop."""
+    from allhands.stopflag import FLAG
+    FLAG.signum = 0
+    yield
+
+
 @pytest.fixture(scope="session")
 def token_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tokens")
