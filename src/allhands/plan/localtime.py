@@ -37,7 +37,9 @@ STATISTIC = "best"  # calibrate.py's estimator; a cache made with another one is
 
 def calibration_key(nproc: int) -> str:
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    return f"{_cpu_name()}|nproc={nproc}|threads={threads}|torch {torch.__version__}"
+    # "forked": a worker forked from the preloaded server (launch/forkstart.py) has another
+    # resident set than a spawned one, so a calibration from spawned workers is not reused.
+    return f"{_cpu_name()}|nproc={nproc}|threads={threads}|torch {torch.__version__}|forked"
 
 
 def calibration_path():
