@@ -290,26 +290,32 @@ def test_the_source_killed_inside_a_heal_the_others_heal_again_from_the_next(tok
     _bit_equal_and_reference(done, [run, g1, g2], shares=3)
 
 
-@pytest.mark.parametrize("inject,min_groups", [("0:4:SIGKILL,1:4:SIGKILL", 2), ("1:2:SIGKILL,0:4:SIGKILL", 1)],
+@pytest.mark.parametrize("inject,min_groups,backoff", [("0:4:SIGKILL,1:4:SIGKILL", 2, 1),
+                                                      ("1:2:SIGKILL,0:3:SIGKILL", 1, 4)],
                          ids=["every-group-at-once", "the-last-survivor"])
 def test_with_no_live_group_left_they_restart_from_their_checkpoints(token_dir, tmp_path, capfd, inject,
-                                                                     min_groups):
+                                                                     min_groups, backoff):
     """The fallback: no live group holds the state, so the restarted ones resume from their own
-    last checkpoints (step 2) and the quorum forms again among them. Every group at once (both
-    train every step together); or group 0 while it is the only live group (group 1 is
-    restarting, or here under load, not yet started: min_groups=1)."""
+    last checkpoints and the quorum forms again among them. Every group at once (both train every
+    step together, both resume from step 2); or group 0 while it is the only live group
+    (min_groups=1): group 1 dies inside step 2, group 0 trains on alone, commits step 2 and dies
+    inside step 3. A 4 s restart backoff keeps group 1 away until group 0 has died, whatever the
+    load (with 1 s, group 1 sometimes came back and group 0 healed from it instead)."""
     done, err, run = _replica_job(token_dir, tmp_path, capfd, 2, "run.steps=6", "fault.max_restarts=1",
                                   f"fault.inject={inject}", f"fault.min_groups={min_groups}",
-                                  "checkpoint.interval=2", "checkpoint.mode=sync")
+                                  "checkpoint.interval=2", "checkpoint.mode=sync", f"fault.backoff_s={backoff}")
     events = {g: [json.loads(x) for x in (r / "logs" / "restarts.jsonl").read_text().splitlines()]
               for g, r in ((0, run), (1, run / "replicas" / "group-1"))}
     assert [len(e) for e in events.values()] == [1, 1], err[-3000:]
     assert events[0][0]["resume_from"] == "checkpoint step 2", (events, err[-3000:])
-    assert "resumed from step 2" in err, err[-3000:]
+    assert "healed from group 1, was at step 2" not in err, err[-3000:]  # nobody held step 3
     if min_groups == 2:
+        assert "resumed from step 2" in err, err[-3000:]
         assert events[1][0]["resume_from"] == "checkpoint step 2", (events, err[-3000:])
         _bit_equal_and_reference(done, [run, run / "replicas" / "group-1"], shares=2)
-    else:  # a group that was still restarting when the other completed the job ends without training
+    else:  # group 1 died before its first checkpoint; a group still restarting when the other
+        # completed the job ends without training
+        assert events[1][0]["resume_from"].startswith("the start"), (events, err[-3000:])
         _bit_equal_and_reference(done, _finished(done, [run, run / "replicas" / "group-1"]), shares=2)
 
 
