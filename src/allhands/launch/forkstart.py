@@ -25,6 +25,13 @@ start, a forked one would take from the server as it was when *it* started; so i
   while they stop cleanly. The server starts with them blocked (a signal mask survives fork and
   exec) and each worker unblocks them first thing, so one pending for it is delivered then.
 
+- **Its socket's directory.** multiprocessing puts the server's socket in the launcher's
+  ``pymp-*`` directory, which the launcher removes as it exits normally; a launcher killed by a
+  signal (SIGKILL, a SIGTERM before its handlers are in place) or ended by ``os._exit`` leaves it,
+  socket and all, in the shared temporary directory. The server outlives its launcher by a moment
+  (it goes when the "alive" pipe reaches EOF), so it removes the directory on its way out when its
+  launcher is gone: :func:`_clean_up_after_launcher`.
+
 What the preload leaves in the server: no open file but its own socket and pipes, and one idle
 native thread that ``import torch`` starts; a fork keeps only the forking thread, as it does for
 every DataLoader worker forked from a process that imported torch (torch resets its thread pools
@@ -33,12 +40,15 @@ in the child with ``pthread_atfork``).
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import threading
-from multiprocessing import forkserver, reduction, resource_tracker
+import time
+from multiprocessing import forkserver, reduction, resource_tracker, util
 from typing import Any, Callable
 
 import torch
@@ -49,6 +59,10 @@ PRELOAD = ["allhands.launch.launcher", "allhands.worker"]
 # torch's agent forwards SIGHUP and SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE), the launcher SIGINT,
 # SIGTERM and SIGUSR1 (stop.py); the server ignores SIGINT itself.
 SHIELDED = {signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT}
+
+# "PID:DIR": the launcher and its pymp-* directory, told to the server it starts (which imports
+# this module, maybe after the launcher is gone: its parent then is not the launcher).
+SOCKET_DIR_ENV = "ALLHANDS_FORKSERVER_DIR"
 
 _lock = threading.Lock()
 _server_pid: list[int | None] = [None]  # the forkserver this module started
@@ -67,12 +81,37 @@ def ensure_server() -> str:
             # First, unshielded: starting the tracker unblocks SIGINT and SIGTERM on its way out.
             resource_tracker.ensure_running()
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+            # The directory the server's socket goes in (multiprocessing's own, made here if not
+            # yet); the server inherits the variable and the workers do not (Inherited).
+            os.environ[SOCKET_DIR_ENV] = f"{os.getpid()}:{util.get_temp_dir()}"
             try:
                 forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
             finally:
+                os.environ.pop(SOCKET_DIR_ENV, None)
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             _server_pid[0] = fs._forkserver_pid
         return "forkserver" if fs._forkserver_pid == _server_pid[0] else "spawn"
+
+
+def _clean_up_after_launcher(socket_dir: str, launcher: int, server: int) -> None:
+    """At the server's exit: remove the launcher's ``pymp-*`` directory if the launcher is gone
+    without removing it. A launcher that stops the server itself (multiprocessing's ``_stop``)
+    is still its parent and removes the socket after the server exits; one that died made the
+    server an orphan, which the kernel does as it closes the launcher's files, so the server
+    waits a moment for that after the pipe's EOF."""
+    if os.getpid() != server:  # a forked worker ends by os._exit; this is for the server only
+        return
+    deadline = time.monotonic() + 0.2
+    while os.getppid() == launcher:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+if SOCKET_DIR_ENV in os.environ:  # imported by the preload of a server ensure_server started
+    _launcher, _, _dir = os.environ.pop(SOCKET_DIR_ENV).partition(":")
+    atexit.register(_clean_up_after_launcher, _dir, int(_launcher), os.getpid())
 
 
 class Inherited:
