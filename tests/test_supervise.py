@@ -293,7 +293,11 @@ def test_an_agent_sees_its_worker_fail_without_taking_its_exit_status_from_torch
     from allhands.launch.elastic import exit_codes
 
     ends = {0: 3, 1: -9, 2: 0, 3: 99}
-    ctx = start_processes("t", ends_with, args={r: (c,) for r, c in ends.items()}, envs={r: {} for r in ends},
+    # Through forkstart.forked, as the agent starts them: a worker with the server's SIGTERM still
+    # blocked would outlast torch's close() (SIGTERM, then SIGKILL after 30 s) when torch's monitor
+    # sees rank 0 fail while rank 3 still runs.
+    ctx = start_processes("t", forkstart.forked, envs={r: {} for r in ends},
+                          args={r: (forkstart.Inherited(), ends_with, c) for r, c in ends.items()},
                           logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
                           start_method=forkstart.ensure_server())
     try:
