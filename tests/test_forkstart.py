@@ -136,10 +136,12 @@ def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_e
 
 
 # A launcher's start (the server), then its end: normally, or killed by SIGTERM before its handlers
-# are in place (an os._exit leaves the server an orphan in the same way).
+# are in place (an os._exit leaves the server an orphan in the same way). The server preloads only
+# forkstart: what it cleans up does not depend on the rest, and half the imports keep this short.
 ENDING = """
 import os, signal, sys, time
 from allhands.launch import forkstart
+forkstart.PRELOAD[:] = ["allhands.launch.forkstart"]
 forkstart.ensure_server()
 print(forkstart._server_pid[0], flush=True)
 if sys.argv[1] == "SIGTERM":

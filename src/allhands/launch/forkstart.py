@@ -25,12 +25,14 @@ start, a forked one would take from the server as it was when *it* started; so i
   while they stop cleanly. The server starts with them blocked (a signal mask survives fork and
   exec) and each worker unblocks them first thing, so one pending for it is delivered then.
 
-- **Its socket's directory.** multiprocessing puts the server's socket in the launcher's
-  ``pymp-*`` directory, which the launcher removes as it exits normally; a launcher killed by a
-  signal (SIGKILL, a SIGTERM before its handlers are in place) or ended by ``os._exit`` leaves it,
-  socket and all, in the shared temporary directory. The server outlives its launcher by a moment
-  (it goes when the "alive" pipe reaches EOF), so it removes the directory on its way out when its
-  launcher is gone: :func:`_clean_up_after_launcher`.
+- **Its end.** multiprocessing puts the server's socket in the launcher's ``pymp-*`` directory,
+  which the launcher removes as it exits normally; a launcher killed by a signal (SIGKILL, a
+  SIGTERM before its handlers are in place) or ended by ``os._exit`` leaves it, socket and all, in
+  the shared temporary directory. The server outlives its launcher by a moment (it goes when the
+  "alive" pipe reaches EOF), so it removes the directory on its way out when its launcher is gone.
+  It also holds the launcher's stdout and stderr, so whoever reads the launcher's output to its
+  end (a pipe, ``| tee``, a test) waits for the server's exit too; that skips the interpreter's
+  last collection of torch's whole heap, as the CLI's own exit does. :func:`_at_server_exit`.
 
 What the preload leaves in the server: no open file but its own socket and pipes, and one idle
 native thread that ``import torch`` starts; a fork keeps only the forking thread, as it does for
@@ -41,6 +43,7 @@ in the child with ``pthread_atfork``).
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing
 import os
 import shutil
@@ -93,14 +96,16 @@ def ensure_server() -> str:
         return "forkserver" if fs._forkserver_pid == _server_pid[0] else "spawn"
 
 
-def _clean_up_after_launcher(socket_dir: str, launcher: int, server: int) -> None:
-    """At the server's exit: remove the launcher's ``pymp-*`` directory if the launcher is gone
-    without removing it. A launcher that stops the server itself (multiprocessing's ``_stop``)
-    is still its parent and removes the socket after the server exits; one that died made the
-    server an orphan, which the kernel does as it closes the launcher's files, so the server
-    waits a moment for that after the pipe's EOF."""
+def _at_server_exit(socket_dir: str, launcher: int, server: int) -> None:
+    """The server's end (see above): no collection of the heap at the interpreter's exit, and the
+    launcher's ``pymp-*`` directory removed if the launcher is gone without removing it. A
+    launcher that stops the server itself (multiprocessing's ``_stop``) is still its parent and
+    removes the socket after the server exits; one that died made the server an orphan, which the
+    kernel does as it closes the launcher's files, so the server waits a moment for that after
+    the pipe's EOF."""
     if os.getpid() != server:  # a forked worker ends by os._exit; this is for the server only
         return
+    gc.freeze()
     deadline = time.monotonic() + 0.2
     while os.getppid() == launcher:
         if time.monotonic() > deadline:
@@ -111,7 +116,7 @@ def _clean_up_after_launcher(socket_dir: str, launcher: int, server: int) -> Non
 
 if SOCKET_DIR_ENV in os.environ:  # imported by the preload of a server ensure_server started
     _launcher, _, _dir = os.environ.pop(SOCKET_DIR_ENV).partition(":")
-    atexit.register(_clean_up_after_launcher, _dir, int(_launcher), os.getpid())
+    atexit.register(_at_server_exit, _dir, int(_launcher), os.getpid())
 
 
 class Inherited:
