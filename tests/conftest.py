@@ -11,6 +11,7 @@ import pytest
 from allhands.config import Config, apply_override
 from allhands.data import prepare
 from allhands.data.shards import embedded_text
+from allhands.launch.launcher import LaunchSpec, train_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,13 +60,30 @@ def cli_env() -> dict:
 
 ALLHANDS = [sys.executable, "-m", "allhands.cli"]
 
+# The network-lab job of test_node_loss and test_multinode_store: 8 steps, a checkpoint every 2,
+# node loss noticed in 3 s. One thread per worker on every side, so that an in-process reference
+# sums alike (bit-exact).
+LAB_JOB = ["run.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=5", "run.threads=1",
+           "fault.max_restarts=2", "fault.backoff_s=0.5", "fault.node_timeout_s=3",
+           "fault.rdzv_last_call_s=3"]
+
+
+@pytest.fixture(scope="session")
+def lab_undisturbed(token_dir, tmp_path_factory) -> Config:
+    """The lab job undisturbed at the same world size (2 workers, in-process on this host): what
+    a job whose lost host was started again must end bit-identical to. Trained once for the
+    tests that only read its parameters (they use ``lab``, so they share a pytest worker)."""
+    return train_job(tiny_config(token_dir, tmp_path_factory.mktemp("lab") / "undisturbed", *LAB_JOB),
+                     LaunchSpec(nproc=2))
+
+
 # Module-scoped fixtures that train a job or build a network lab, used by a few long tests. Under
 # pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) each worker would build its own copy;
 # the tests that use one go to one worker instead, so the job trains once. All lab users share
 # one group: two labs at once would double the CPU load on tests whose keep-alive timeouts are
 # seconds. (test_bad_inputs' `finished` is not here: its table of ~75 short commands gains more
 # from two workers than a second tiny run costs.)
-SHARED_FIXTURES = {"undisturbed": None, "lab": "netlab"}
+SHARED_FIXTURES = {"undisturbed": None, "lab": "netlab", "lab_undisturbed": "netlab"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks

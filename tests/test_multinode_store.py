@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from allhands.checkpoint import committed
 from allhands.config import load_config
-from allhands.launch.launcher import LaunchSpec, _default_run_id, free_port, train_job
+from allhands.launch.launcher import LaunchSpec, _default_run_id, free_port
 from allhands.netlab import Lab, unavailable
 from allhands.launch.rendezvous import CheckedBackend, plan
 
-from conftest import ALLHANDS, ROOT, TINY, tiny_config
+from conftest import ALLHANDS, ROOT, TINY
 from test_node_loss import JOB, assert_survivor_finished
 from test_parity import assert_matches_reference, trained_params
 from test_security_network import _listeners
@@ -226,8 +226,8 @@ def test_losing_node_rank_0_for_good_with_an_external_store(lab, token_dir, tmp_
 
 
 @needs_lab
-def test_node_rank_0_started_again_rejoins_bit_exact_with_an_external_store(lab, token_dir, tmp_path,
-                                                                            cli_env):
+def test_node_rank_0_started_again_rejoins_bit_exact_with_an_external_store(lab, lab_undisturbed, token_dir,
+                                                                            tmp_path, cli_env):
     """Slurm --requeue / a pod restart of node 0's host: its original command, run again, rejoins
     the job the other node kept alive in the external store; both resume from step 4 and the job
     ends bit-identical to an undisturbed run at the same world size."""
@@ -238,8 +238,7 @@ def test_node_rank_0_started_again_rejoins_bit_exact_with_an_external_store(lab,
     # Node 0's worker is rank 0 again (torch ranks nodes by address), which says where it resumed.
     assert "resumed from step 4" in again and "done: steps 8" in again, again[-3000:]
     assert took < 120, f"recovery took {took:.0f} s"
-    ref = train_job(tiny_config(token_dir, tmp_path / "undisturbed", *JOB), LaunchSpec(nproc=2))
-    want = trained_params(ref)
+    want = trained_params(lab_undisturbed)
     got = trained_params(load_config(run_dir / "config.resolved.toml"))
     assert all(torch.equal(got[k], want[k]) for k in want), "not bit-identical to the undisturbed run"
 

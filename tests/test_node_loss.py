@@ -18,23 +18,19 @@ import torch
 
 from allhands.checkpoint import committed
 from allhands.config import load_config
-from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.netlab import Lab, unavailable
 
-from conftest import ALLHANDS, TINY, tiny_config
+from conftest import ALLHANDS, LAB_JOB, TINY
 from test_parity import assert_matches_reference, trained_params
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}")
 TAG, PREFIX = "ahm", "10.61.0"
 
-# 8 steps, a checkpoint every 2. Rank 1 (the worker of host 1) stalls before step 5, so the kill
+# The lab job (conftest.LAB_JOB). Rank 1 (the worker of host 1) stalls before step 5, so the kill
 # lands mid-training after the step-4 checkpoint whatever the machine's speed; the marker
 # fault.inject leaves in the shared run directory keeps a requeued rank 1 from stalling again.
-# One thread per worker on both sides, so that the in-process reference sums alike (bit-exact).
-JOB = ["run.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=5", "run.threads=1",
-       "fault.max_restarts=2", "fault.backoff_s=0.5", "fault.node_timeout_s=3",
-       "fault.rdzv_last_call_s=3"]
+JOB = LAB_JOB
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +92,14 @@ def _assert_failure_named(out: str, run_dir) -> None:
     assert event["node"] == "10.61.0.1" and event["verdict"] == "restart"
 
 
-def test_a_killed_host_that_is_started_again_rejoins_bit_exact(lab, token_dir, tmp_path, cli_env):
+def test_a_killed_host_that_is_started_again_rejoins_bit_exact(lab, lab_undisturbed, token_dir, tmp_path,
+                                                              cli_env):
     run_dir = tmp_path / "run"
     out, took = _kill_host_1(lab, token_dir, run_dir, cli_env, nnodes="2", requeue=True)
     _assert_failure_named(out, run_dir)
     assert "continuing on 2 node(s), world size 2" in out
     assert took < 180, f"recovery took {took:.0f} s"
-    # The undisturbed job at the same world size (2 workers), in-process on this host.
-    ref = train_job(tiny_config(token_dir, tmp_path / "undisturbed", *JOB), LaunchSpec(nproc=2))
-    want = trained_params(ref)
+    want = trained_params(lab_undisturbed)
     got = trained_params(load_config(run_dir / "config.resolved.toml"))
     assert all(torch.equal(got[k], want[k]) for k in want), "not bit-identical to the undisturbed run"
 
