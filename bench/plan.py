@@ -156,6 +156,9 @@ def published() -> list[float]:
         cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
                       "model.seq_len=2048", "model.vocab_size=51200", "model.bias=true",
                       "model.tie_embeddings=true", "run.precision=bf16", f"run.global_batch={batch}",
+                      # no sequence parallelism in 2021 (Korthikanti et al. 2022 added it): every
+                      # tensor-parallel rank holds its norms' whole gradients
+                      "parallel.tp_sequence_parallel=false",
                       f"run.micro_batches={batch // d if p == 1 else 1}")  # sequences of one
         layout = Layout(d, 1, t, p, 0, batch // d if p > 1 else 1, "block", False)
         est = estimate(cfg, layout, parse_cluster(f"a100:{gpus // 8}"), True, attention="materialized",

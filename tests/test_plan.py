@@ -84,7 +84,8 @@ def _calibration(**costs: float) -> dict:
     cal = {op: [0.0, 0.0] for op in ("allreduce", "allgather", "reducescatter", "broadcast", "sendrecv")}
     cal.update({k: 0.0 for k in ("fsdp_unit_zero2", "fsdp_unit_zero3", "fsdp_step_zero2", "fsdp_step_zero3", "tp_step", "dtensor_update_tensor", "ddp_step", "ddp_half",
                                  "tp_module", "pp_microbatch", "step_fixed", "step_per_block",
-                                 "step_per_param", "runtime", "zero1_update_tensor")}, contention=1.0)
+                                 "step_per_param", "runtime", "zero1_update_tensor", "partial_grad_tensor")},
+               contention=1.0)
     cal.update(costs)
     return cal
 
@@ -140,3 +141,60 @@ def test_software_terms_of_published_runs_add_what_they_say():
         base = estimate(cfg, Layout(16, 1, 1, 1, 0, ac=ac), c, True)
         stored = estimate(cfg, Layout(16, 1, 1, 1, 0, ac=ac), c, True, attention="materialized")
         assert stored.time["compute"] - base.time["compute"] == pytest.approx(passes * scores)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_partial_gradients_are_counted_from_the_real_tp_plan(bias):
+    """The parameters the planner charges for Partial gradients are those whose gradient the
+    real sequence-parallel TP plan leaves Partial (a world of one keeps the placements), on every
+    pipeline stage shape; without sequence parallelism there are none."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial
+
+    from allhands.job import lm_loss
+    from allhands.models import GPT, GPTConfig
+    from allhands.parallel.tensor import apply_tp
+    from allhands.plan.localtime import partial_grad_tensors
+
+    cfg = _config(*TINY, f"model.bias={str(bias).lower()}")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for sp in (True, False):
+            model = GPT(GPTConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=2, n_embd=32, bias=bias))
+            apply_tp(model, init_device_mesh("cpu", (1,)), sequence_parallel=sp)
+            x = torch.randint(0, 96, (2, 16))
+            lm_loss(model(x), x).backward()
+            partial = sum(isinstance(p.grad.placements[0], Partial) for p in model.parameters())
+            apply_override(cfg, f"parallel.tp_sequence_parallel={str(sp).lower()}")
+            assert partial == partial_grad_tensors(cfg, 2, True) == (10 if bias else 5) * sp
+    finally:
+        dist.destroy_process_group()
+    apply_override(cfg, "parallel.tp_sequence_parallel=true")
+    assert partial_grad_tensors(cfg, 2, False) == 4 * (1 + bias)  # a stage without ln_f
+
+
+def test_partial_gradients_cost_their_measured_update_and_all_reduces():
+    """Under sequence-parallel TP each Partial gradient costs the calibration's measured update
+    (its all-reduces included) instead of a plain DTensor's; on a GPU preset, PARTIAL_REDUCES
+    all-reduces of it at NCCL's per-call latency over the tp group."""
+    from allhands.plan.estimate import _bw, _ring
+    from allhands.plan.localtime import PARTIAL_REDUCES
+
+    cfg = _config(*TINY, "model.vocab_size=257")
+    shape = dict(blocks=[2], numel=[stage_params(cfg, 1, 2, 0)[0]], tensors=[15], threads=1)
+    cal = _calibration(dtensor_update_tensor=1e-4, partial_grad_tensor=3e-3)
+    tp2 = Layout(1, 1, 2, 1, 0)
+    with_sp = local_step(cfg, tp2, cal, **shape)["optimizer"]
+    assert with_sp == pytest.approx(10 * 1e-4 + 5 * 3e-3)  # 5 Partial: ln1, ln2 x 2 blocks, ln_f
+    apply_override(cfg, "parallel.tp_sequence_parallel=false")
+    assert local_step(cfg, tp2, cal, **shape)["optimizer"] == pytest.approx(15 * 1e-4)
+    c = parse_cluster("a100:1")
+    without = estimate(cfg, tp2, c, False).time
+    apply_override(cfg, "parallel.tp_sequence_parallel=true")
+    with_sp = estimate(cfg, tp2, c, False).time
+    per_call = c.latency + _ring("allreduce", 4.0 * cfg.model.n_embd, 2) / _bw(c, tp2, "tp")
+    assert with_sp["optimizer"] - without["optimizer"] == pytest.approx(PARTIAL_REDUCES * 5 * per_call)
+    assert with_sp["step"] - without["step"] == pytest.approx(PARTIAL_REDUCES * 5 * per_call)

@@ -7,8 +7,9 @@ model is made of, never the step of the layout it predicts.
   fastest of many calls: Hockney's alpha-beta model); what DDP, FSDP2 (ZeRO-2 and 3) and
   sequence-parallel TP add to a forward + backward over the same plain modules (their hooks,
   DTensor dispatch and small collectives), per step and per unit (two stack depths), what
-  clipping and AdamW cost more per DTensor parameter and ZeRO-1's optimizer (its per-parameter
-  broadcasts) per parameter, 1F1B's cost per microbatch beyond its
+  clipping and AdamW cost more per DTensor parameter, per parameter whose gradient is a Partial
+  DTensor (sequence-parallel TP's norms) and per parameter under ZeRO-1's optimizer (its
+  per-parameter broadcasts), 1F1B's cost per microbatch beyond its
   compute, and how much slower the same eager work runs with ``nproc`` workers sharing the
   cores than alone (``contention``). Each framework cost is timed alternately with its plain
   counterpart, so that the load of other processes drifts out of the difference.
@@ -109,7 +110,7 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -154,9 +155,10 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
         params = [list(plain.parameters()), list(sharded.parameters())]
         optims = [torch.optim.AdamW(p) for p in params]
 
-        def update(i: int) -> float:  # seconds of one update of the plain (0) or DTensor (1) parameters
+        def update(i: int) -> float:  # seconds of one update of the parameters params[i]
             for q in params[i]:
-                q.grad = torch.ones_like(q)
+                q.grad = DTensor.from_local(torch.ones_like(q.to_local()), mesh, [Partial()], run_check=False) \
+                    if i == 3 else torch.ones_like(q)
             t0 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(params[i], 1.0)
             optims[i].step()
@@ -170,10 +172,17 @@ def _probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None
         params.append(list(zeroed.parameters()))
         optims.append(ZeroRedundancyOptimizer(params[2], optimizer_class=torch.optim.AdamW,
                                               parameters_as_bucket_view=False))
-        triples = [(update(1), update(2), update(0)) for _ in range(30)][5:]
-        best = [min(t[i] for t in triples) for i in range(3)]
+        # Sequence-parallel TP leaves the gradients of replicated parameters (its norms) Partial:
+        # DTensor all-reduces such a gradient again in every op that reads it (the norm, then
+        # AdamW's lerp_ and addcmul_(grad, grad)), torch/distributed/tensor/_dispatch.py
+        params.append([nn.Parameter(DTensor.from_local(q.detach(), mesh, [Replicate()], run_check=False))
+                       for q in nn.Sequential(*[_Half() for _ in range(SPANS[0])]).parameters()])
+        optims.append(torch.optim.AdamW(params[3]))
+        rounds = [(update(1), update(2), update(0), update(3)) for _ in range(30)][5:]
+        best = [min(t[i] for t in rounds) for i in range(4)]
         out["dtensor_update_tensor"] = max(0.0, best[0] - best[2]) / len(params[1])
         out["zero1_update_tensor"] = max(0.0, best[1] - best[2]) / len(params[2])
+        out["partial_grad_tensor"] = max(0.0, best[3] - best[2]) / len(params[3])
         out.update(_pipeline_probe(rank, x))
         def ddp(seq: nn.Sequential) -> DistributedDataParallel:
             # with the allreduce strategy's metered Python comm hook, as sync/allreduce.py wraps

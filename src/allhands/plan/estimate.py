@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from allhands.config import Config
 from allhands.flops import gpt_flops_per_token
 from allhands.plan.cluster import Cluster
-from allhands.plan.localtime import local_step
+from allhands.plan.localtime import PARTIAL_REDUCES, local_step, partial_grad_tensors
 
 # Values kept per block per token per C (see the docstring), by parallel.ac.
 ACT_PER_BLOCK = {"none": 17, "selective": 10, "block": 1}
@@ -246,6 +246,9 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
             lat + tokens_mb * c * act_bytes / _bw(cluster, layout, "pp"))
     optim = (28.0 * numel0 / max(1, n if layout.zero else 1)) / cluster.mem_bw \
         + (12 * tensors0 if cluster.device == "cpu" else 24) * cluster.op_overhead
+    if tp > 1:  # each Partial gradient all-reduced by every op that reads it: NCCL's latency a call
+        optim += PARTIAL_REDUCES * partial_grad_tensors(cfg, max(blocks), pp == 1) * (
+            lat + _ring("allreduce", 4.0 * c, tp) / _bw(cluster, layout, "tp"))
     step = compute + bubble + exposed + tp_comm + pp_comm + optim
     est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + pp_comm,
                 "comm_exposed": exposed + tp_comm + pp_comm, "optimizer": optim, "step": step}

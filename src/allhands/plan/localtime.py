@@ -14,7 +14,9 @@ Per rank and per step (1F1B over ``m`` microbatches, ``a`` accumulation steps):
   measured cost and its further buckets, ZeRO-1's measured update cost per tensor, FSDP2's
   per-unit cost and its gathered and reduced bytes, TP's all-gathered and reduce-scattered bytes, the
   pipeline's sent bytes), exposed except where backward can hide it (DDP buckets before the last);
-- per step: ``step_fixed`` + ``step_per_param`` x the parameters this rank updates.
+- per step: ``step_fixed`` + ``step_per_param`` x the parameters this rank updates, and the
+  measured cost per DTensor parameter of clipping and AdamW: more for each one whose gradient is
+  Partial under sequence-parallel TP (its all-reduces, repeated by every op that reads it).
 """
 
 from __future__ import annotations
@@ -52,7 +54,23 @@ def cached_calibration(nproc: int) -> dict | None:
         got = json.loads(calibration_path().read_text()).get(calibration_key(nproc))
     except (OSError, ValueError):
         return None
-    return got if got and got.get("statistic") == STATISTIC and "zero1_update_tensor" in got else None
+    return got if got and got.get("statistic") == STATISTIC and "partial_grad_tensor" in got else None
+
+
+PARTIAL_REDUCES = 4  # all-reduces of each Partial gradient a step (partial_grad_tensors)
+
+
+def partial_grad_tensors(cfg: Config, blocks: int, last: bool) -> int:
+    """Parameters of a pipeline stage whose gradient is a Partial DTensor after backward under
+    sequence-parallel TP (parallel/tensor.py's plan): the SequenceParallel norms' weights and
+    biases (two norms a block, ``ln_f`` on the last stage), whose inputs are sharded over the
+    sequence, so each rank holds a partial sum of their gradients. DTensor all-reduces each
+    such gradient in every op that reads it, and does not keep the result: the norm for clipping,
+    AdamW's ``lerp_(grad)`` and ``addcmul_(grad, grad)`` (torch/optim/adam.py), four a step."""
+    if not cfg.parallel.tp_sequence_parallel:
+        return 0
+    b = int(cfg.model.bias)
+    return (2 * blocks + last) * (1 + b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,8 +178,10 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
                                                     * mdl.n_embd / tp) if mdl.tie_embeddings else 0.0)
     shard = n if layout.zero >= 1 else 1
     optim = cal["step_fixed"] + cal["step_per_param"] * p_numel / shard
-    if layout.zero >= 2 or tp > 1:  # the update runs over DTensor parameters
-        optim += cal["dtensor_update_tensor"] * p_tensors
+    if layout.zero >= 2 or tp > 1:  # the update runs over DTensor parameters, some with Partial
+        # gradients that each op reads through an all-reduce of their own (tp > 1)
+        partial = partial_grad_tensors(cfg, blocks[busiest], busiest == pp - 1) if tp > 1 else 0
+        optim += cal["dtensor_update_tensor"] * (p_tensors - partial) + cal["partial_grad_tensor"] * partial
     step = compute + bubble + comm - hidden + optim
     return {"compute": compute, "bubble": bubble, "comm": comm, "comm_exposed": comm - hidden,
             "optimizer": optim, "step": step}
