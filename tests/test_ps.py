@@ -18,6 +18,7 @@ from allhands.checkpoint.safe import SafeFileSystemReader
 from allhands.config import ConfigError, validate
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
+from allhands.faults import FaultInjector
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.report import make_report, read_metrics
 from allhands.sync.ps_rows import RowShard, draw_rows
@@ -130,6 +131,22 @@ def test_replies_wait_only_for_their_round_or_the_staleness_bound():
     assert go == [(1, 0, False), (0, 1, True)] and keep == []  # the slowest first
     go, keep = due_replies(waiting, "async", set(), [5, 4, 2], {0, 1, 2}, 0)
     assert len(go) == 2 and keep == []
+    # a restarted server: only the workers that relinked are active; one that has not yet
+    # holds nobody back, and once it is active at its clock the bound applies again
+    go, keep = due_replies(waiting, "ssp", set(), [5, 4, 0], {0}, 2)
+    assert [src for src, _, _ in go] == [1, 0] and keep == []
+    go, keep = due_replies(waiting, "ssp", set(), [5, 4, 2], {0, 2}, 2)
+    assert [src for src, _, _ in go] == [1] and keep == [(0, 5, True)]
+
+
+def test_push_fault_is_taken_once_before_the_push_is_cut(tmp_path):
+    """Fault ``ps-push`` (no processes): the hook exists only at the push that is to be cut (at
+    or after STEP, once per run directory), so a replacement's pushes go whole."""
+    assert FaultInjector("1:3:ps-push", 0, tmp_path).push_hook(3) is None  # another worker's
+    faults = FaultInjector("1:3:ps-push", 1, tmp_path)
+    assert faults.push_hook(2) is None and callable(faults.push_hook(4))
+    assert (tmp_path / "faults" / "1-3-ps-push").exists()
+    assert FaultInjector("1:3:ps-push", 1, tmp_path).push_hook(5) is None  # fired already
 
 
 # -- embedding tables moved by row (sync/ps_rows.py)

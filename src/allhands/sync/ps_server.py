@@ -136,7 +136,8 @@ class Server:
             self._release()
             self.stats["busy_s"] += time.perf_counter() - t0
         self.stats["wall_s"] = time.perf_counter() - t_start
-        if self.save is not None and self.cfg.checkpoint.at_end:
+        if self.save is not None and self.cfg.checkpoint.at_end and self.flat is not None:  # None: restarted
+            # after every worker finished, so nothing to add to the last checkpoint
             self.save(max(self.clocks), {"ps": Shard(self)})
         return self.report()
 
