@@ -235,7 +235,7 @@ class PSSync(SyncStrategy):
 
     def _request(self, s: int, header: torch.Tensor, payload: torch.Tensor | None = None,
                  rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 wait: bool = True) -> list[tuple[dist.Work, torch.Tensor, bool]]:
+                 wait: bool = True) -> list[tuple[int, dist.Work | None, torch.Tensor, bool]]:
         """Send server ``s`` a request; ``wait=False`` returns its posted sends, not waited on."""
         dst = s
         posted = [(s, self._io(self.wire.send, header, dst, w.TAG_REQ), header, False)]
