@@ -18,6 +18,7 @@ from allhands.checkpoint.safe import SafeFileSystemReader
 from allhands.config import ConfigError, validate
 from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
+from allhands.faults import FaultInjector
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.report import make_report, read_metrics
 from allhands.sync.ps_rows import RowShard, draw_rows
@@ -130,6 +131,22 @@ def test_replies_wait_only_for_their_round_or_the_staleness_bound():
     assert go == [(1, 0, False), (0, 1, True)] and keep == []  # the slowest first
     go, keep = due_replies(waiting, "async", set(), [5, 4, 2], {0, 1, 2}, 0)
     assert len(go) == 2 and keep == []
+    # a restarted server: only the workers that relinked are active; one that has not yet
+    # holds nobody back, and once it is active at its clock the bound applies again
+    go, keep = due_replies(waiting, "ssp", set(), [5, 4, 0], {0}, 2)
+    assert [src for src, _, _ in go] == [1, 0] and keep == []
+    go, keep = due_replies(waiting, "ssp", set(), [5, 4, 2], {0, 2}, 2)
+    assert [src for src, _, _ in go] == [1] and keep == [(0, 5, True)]
+
+
+def test_push_fault_is_taken_once_before_the_push_is_cut(tmp_path):
+    """Fault ``ps-push`` (no processes): the hook exists only at the push that is to be cut (at
+    or after STEP, once per run directory), so a replacement's pushes go whole."""
+    assert FaultInjector("1:3:ps-push", 0, tmp_path).push_hook(3) is None  # another worker's
+    faults = FaultInjector("1:3:ps-push", 1, tmp_path)
+    assert faults.push_hook(2) is None and callable(faults.push_hook(4))
+    assert (tmp_path / "faults" / "1-3-ps-push").exists()
+    assert FaultInjector("1:3:ps-push", 1, tmp_path).push_hook(5) is None  # fired already
 
 
 # -- embedding tables moved by row (sync/ps_rows.py)
@@ -336,4 +353,51 @@ def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
     assert len(pushes[0]) == len(pushes[1]) == steps and sum(t > rejoined for t in pushes[1]) == steps - 2
     assert stats["updates"] == stats["pushes"] == 2 * steps
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
+    assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps
+
+
+def test_killed_server_restarts_alone_and_the_workers_continue(token_dir, tmp_path):
+    """Replica mode, async: SIGKILL of the server (rank 2) while it applies update 6. Its own
+    world's agent restarts it (a new pid, incarnation 2) and it restores its shard from its last
+    committed checkpoint; the workers keep their processes (each linked to the new server as its
+    first incarnation), relink, and go on; the job finishes. The restored server applied exactly
+    the complete pushes it received, on top of the checkpoint's version."""
+    steps = 8
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=async", f"run.steps={steps}",
+                      "log.interval=8", "checkpoint.interval=2", "checkpoint.mode=sync", "data.eval_batches=0",
+                      "fault.mode=replica", "fault.inject=2:6:SIGKILL", "fault.max_restarts=1",
+                      "fault.backoff_s=0")
+    done = train_job(cfg, LaunchSpec(nproc=3))
+    run_dir = Path(done.run.dir)
+    assert (run_dir / "faults" / "2-6-SIGKILL").exists()
+    (stats,) = _servers(done)
+    (m1, pid1), (m2, pid2) = stats["incarnations"]
+    assert (m1, m2) == (1, 2) and pid1 != pid2 and stats["incarnation"] == 2
+    assert sorted((k, life) for k, life, _, _ in stats["joins"]) == [(0, 1), (1, 1)]  # no worker restarted
+    step, version = stats["restored"]
+    assert step in (2, 4) and version < 6  # a checkpoint saved before the kill (keep_last pruned it since)
+    assert stats["updates"] == stats["pushes"] > 0 and stats["version"] == version + stats["updates"]
+    assert stats["pushes"] <= 2 * steps
+    assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
+    assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps
+
+
+def test_worker_killed_mid_push_is_applied_by_no_server_that_missed_part(token_dir, tmp_path):
+    """Replica mode, 2 servers: worker 1 is SIGKILLed in the middle of its step-3 push (fault
+    ``ps-push``), after server 0 received its whole piece and server 1 only the header. Server 0
+    applied that push, server 1 none of it (each server's updates equal the complete pushes it
+    received); the replacement resumes from its step-2 checkpoint and pushes steps 3..6 again, so
+    server 0 counts one push more than server 1; training goes on to the end."""
+    steps = 6
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=async", "ps.servers=2",
+                      f"run.steps={steps}", "log.interval=6", "checkpoint.interval=2", "checkpoint.mode=sync",
+                      "data.eval_batches=0", "fault.mode=replica", "fault.inject=1:3:ps-push",
+                      "fault.max_restarts=1", "fault.backoff_s=0")
+    done = train_job(cfg, LaunchSpec(nproc=4))
+    run_dir = Path(done.run.dir)
+    assert (run_dir / "faults" / "1-3-ps-push").exists()
+    first, second = _servers(done)
+    assert [k for k, _ in first["lost"]] == [k for k, _ in second["lost"]] == [1]
+    assert first["updates"] == first["pushes"] == 2 * steps + 1
+    assert second["updates"] == second["pushes"] == 2 * steps
     assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps

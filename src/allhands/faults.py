@@ -24,6 +24,9 @@ Kinds:
   (checkpoint/heal.py), after half of the state's tensors were broadcast: the first heal to a step
   at or after STEP in which this replica group is the source (and some member is behind) / a
   member that is behind (a joiner);
+- ``ps-push``: SIGKILL of a parameter-server worker in the middle of the push of step STEP (at
+  or after it, once): every other server received its whole piece, the last server the request's
+  header but none of its payload (sync/ps.py);
 - ``flake``: the start-up flake of a fresh gloo process group (seen with torch 2.13: a restart
   failed once in ``connectFullMesh`` and the next try worked): the first attempt that starts at step
   STEP or later fails before computing any step, raising the ``RuntimeError`` gloo raises when
@@ -53,7 +56,7 @@ from allhands.env import worker_env
 from allhands.errors import AllhandsError, ConfigError
 from allhands.stopflag import FLAG, STOP_SIGNALS
 
-KINDS = ("exception", "oom", "hang", "nan", "ckpt", "flake", "heal-source", "heal-joiner")
+KINDS = ("exception", "oom", "hang", "nan", "ckpt", "flake", "heal-source", "heal-joiner", "ps-push")
 
 
 class NonFiniteError(AllhandsError):
@@ -218,6 +221,13 @@ class FaultInjector:
         """A callable for a replica-mode heal to ``step`` to run halfway through its broadcast
         (in its ``source``, or in a member that is behind), or None."""
         return self._kill_hook(step, "heal-source" if source else "heal-joiner")
+
+    def push_hook(self, step: int):
+        """A callable that SIGKILLs this parameter-server worker partway through step ``step``'s
+        push, or None. Taken (its marker written) here: the caller cuts the push short only then."""
+        if not self.faults or self._take(step, ("ps-push",), at_or_after=True) is None:
+            return None
+        return lambda: os.kill(os.getpid(), signal.SIGKILL)
 
     def _kill_hook(self, step: int, kind: str):
         """A callable that SIGKILLs this process if a ``kind`` fault is due at ``step`` (at or

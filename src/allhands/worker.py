@@ -69,7 +69,7 @@ def run_training(cfg: Config, job: Any = None) -> dict[str, Any]:
         trainer = Trainer(cfg, job or Job(), mesh, group_dir(run_dir, roles.index) if member else run_dir)
         if member:  # its share of every batch; faults name the worker (sync/ps_links.py)
             trainer.sampler = Share(trainer.sampler, roles.index, roles.n_workers)
-            trainer.faults = FaultInjector(cfg.fault.inject, roles.index, run_dir)
+            trainer.faults = trainer.strategy.faults = FaultInjector(cfg.fault.inject, roles.index, run_dir)
         _said_since(env.rank, "building the data, model and layout", t)
         result = trainer.fit()
         if p.sync == "ps":  # after the last evaluation, which fetches embedding rows too
@@ -169,11 +169,12 @@ def run_ps_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:
     ckpt = Checkpointer(run_dir / "ps-checkpoints", rank=roles.index, keep_last=cfg.checkpoint.keep_last,
                         mode="sync", meta={"config": cfg.to_dict(), "world_size": roles.world})
 
-    def load(step: int, state: dict) -> bool:  # the shard saved at the workers' resume step
-        found = [path for s, path in committed(ckpt.dir) if s == step]
+    def load(step: int | None, state: dict) -> int | None:
+        """The shard saved at the workers' resume step, or (None: a restarted server) the latest."""
+        found = [(s, path) for s, path in committed(ckpt.dir) if step is None or s == step]
         if found:
-            ckpt.load(found[-1], state)
-        return bool(found)
+            ckpt.load(found[-1][1], state)
+        return found[-1][0] if found else None
 
     try:
         source = (Hub(roles, mesh, p.timeout_s) if roles.links is not None else

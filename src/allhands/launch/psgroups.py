@@ -6,8 +6,8 @@ The shape of launch/replicas.py (one ``torchrun`` per group, as torchft runs rep
 the worlds cannot reach each other's process groups, so workers and servers link through a
 store hosted here (sync/ps_links.py: a gloo group per worker, server and worker incarnation),
 every value MAC'd under a secret made for this job (authstore.py). A dead server's agent
-restarts the servers, but the workers' links to them are gone, so the workers fail in turn and
-the job stops: a server death is recovered in restart mode only (fault.mode=restart).
+restarts the servers world alone: the servers restore their shards from their last checkpoint
+and the workers, which keep their processes, link to the new incarnation (sync/ps_links.py).
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ class PSSync(SyncStrategy):
         self._acc: list[torch.Tensor] | None = None  # async: gradients summed since the last push
         self._acc_rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # and the tables'
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, list[Any]]] = []
+        self.broken: set[int] = set()  # replica mode: servers whose link failed, until relinked
+        self.faults = None  # the worker's FaultInjector (a ``ps-push`` fault), set by worker.py
 
     def describe(self) -> str:
         q = self.q
@@ -74,8 +76,9 @@ class PSSync(SyncStrategy):
 
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         r = self.roles
+        self.mesh = mesh
         if r.links is not None:  # replica mode: links of this incarnation (sync/ps_links.py)
-            self.wire, self.life = ps_links.join(r, mesh, self.timeout_s)
+            self.wire, self.life, self.slife = ps_links.join(r, mesh, self.timeout_s)
         else:
             pg = mesh.cross_role_group(r.cross_store, r.rank, r.world, self.timeout_s)
             self.wire, self.life = w.Wire({s: (pg, r.server_rank(s)) for s in range(r.n_servers)}), 1
@@ -116,6 +119,8 @@ class PSSync(SyncStrategy):
         yield
         if not self.started:
             self._start()
+        if self.broken:  # a server restarted during the last exchange's save or fetch
+            self._recover()
         clock = self.clock + 1  # the step whose gradient this is
         grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params]
         rows = [t.take_grads() for t in self.tables]
@@ -139,8 +144,14 @@ class PSSync(SyncStrategy):
         # Every server's request and reply are posted before any is waited on: gloo's send
         # completes only once the receiver has posted its receive, so waiting on each server in
         # turn would chain the servers' queues and make a second server slower, not faster.
+        kill = self.faults.push_hook(clock) if push and self.faults is not None else None
         sent = []
         for s in range(self.roles.n_servers):
+            if kill is not None and s == self.roles.n_servers - 1:
+                # fault ``ps-push``: every other server's push complete, this one's header only
+                self._wait(sent + [(s, self.wire.send(w.request(flags, clock, lr, norm), s, w.TAG_REQ),
+                                    None, False)])
+                kill()
             sent += self._request(s, w.request(flags, clock, lr, norm, self.version[s]),
                                   flats[s] if push else None, rows if push else None, wait=False)
             if pull or self.mode == "ssp":
@@ -157,9 +168,16 @@ class PSSync(SyncStrategy):
         self.comm.blocking(time.perf_counter() - t0)
 
     def finish(self) -> None:
-        """After the loop (its last evaluation fetches rows too): release the servers."""
-        for s in range(self.roles.n_servers):
-            self._request(s, w.request(w.DONE, self.clock))
+        """After the loop (its last evaluation fetches rows too): release the servers, a
+        restarted one too; then (replica mode) say so in the link store."""
+        left = set(range(self.roles.n_servers))
+        while left:
+            for s in sorted(left):
+                self._request(s, w.request(w.DONE, self.clock))
+            left = set(self.broken)
+            self._recover(pull=False)
+        if self.roles.links is not None:
+            ps_links.finished(self.roles)
 
     def in_sync(self, step: int) -> bool:
         return self.mode == "sync"
@@ -177,25 +195,50 @@ class PSSync(SyncStrategy):
     def _send(self, t: torch.Tensor, dst: int, tag: int, posted: list | None = None) -> None:
         """Send ``t`` and wait; with ``posted``, only post the send there (``_wait`` waits)."""
         if t.numel():  # gloo pairs every send with a receive; an empty piece is neither
-            work = (self.wire.send(t, dst, tag), t, True)
+            work = (dst, self._io(self.wire.send, t, dst, tag), t, True)
             if posted is None:
                 self._wait([work])
             else:
                 posted.append(work)
 
-    def _wait(self, posted: list[tuple[dist.Work, torch.Tensor, bool]]) -> None:
-        """Wait for posted sends (each holds its tensor until then) and count their payload."""
-        for work, t, payload in posted:
-            work.wait()
+    def _io(self, op, t: torch.Tensor, s: int, tag: int) -> dist.Work | None:
+        """Post a send or receive (``op``) with server ``s``; None once its link failed."""
+        if s in self.broken:
+            return None
+        try:
+            return op(t, s, tag)
+        except RuntimeError as e:
+            self._broke(s, e)
+            return None
+
+    def _broke(self, s: int, e: RuntimeError) -> None:
+        """Server ``s``'s link failed: in replica mode its server restarts alone and this worker
+        relinks (``_recover``); otherwise the job restarts, so the error stands."""
+        if self.roles.links is None or not w.link_failed(e):
+            raise e
+        self.broken.add(s)
+
+    def _wait(self, posted: list[tuple[int, dist.Work | None, torch.Tensor, bool]]) -> bool:
+        """Wait for posted sends (each holds its tensor until then) and count their payload;
+        False if a link failed."""
+        for s, work, t, payload in posted:
+            try:
+                if s in self.broken or work is None:
+                    continue
+                work.wait()
+            except RuntimeError as e:
+                self._broke(s, e)
+                continue
             if payload:
                 self._moved(t)
+        return not any(s in self.broken for s, _, _, _ in posted)
 
     def _request(self, s: int, header: torch.Tensor, payload: torch.Tensor | None = None,
                  rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 wait: bool = True) -> list[tuple[dist.Work, torch.Tensor, bool]]:
+                 wait: bool = True) -> list[tuple[int, dist.Work | None, torch.Tensor, bool]]:
         """Send server ``s`` a request; ``wait=False`` returns its posted sends, not waited on."""
         dst = s
-        posted = [(self.wire.send(header, dst, w.TAG_REQ), header, False)]
+        posted = [(s, self._io(self.wire.send, header, dst, w.TAG_REQ), header, False)]
         if payload is not None:
             self._send(payload, dst, w.TAG_GRAD, posted)
         if rows is not None and self.row_pieces[s]:
@@ -207,7 +250,7 @@ class PSSync(SyncStrategy):
                 ids.append(i[lo:hi])
                 vals.append(g[lo:hi].reshape(-1))
             counts = torch.tensor([len(i) for i in ids], dtype=torch.int64)
-            posted.append((self.wire.send(counts, dst, w.TAG_COUNTS), counts, False))
+            posted.append((s, self._io(self.wire.send, counts, dst, w.TAG_COUNTS), counts, False))
             self._send(torch.cat(ids), dst, w.TAG_IDS, posted)
             self._send(torch.cat(vals), dst, w.TAG_ROWS, posted)
         if not wait:
@@ -216,7 +259,8 @@ class PSSync(SyncStrategy):
         return []
 
     def _fetch(self, table: ps_rows.Table, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` (sorted, unique) of ``table``, from the servers holding them."""
+        """The rows ``ids`` (sorted, unique) of ``table``, from the servers holding them; a
+        server that restarted meanwhile is relinked and asked again."""
         if not self.started:  # the first forward (or the first evaluation) may come before a push
             self._start()
         t0 = time.perf_counter()
@@ -226,36 +270,75 @@ class PSSync(SyncStrategy):
                 lo, hi = torch.searchsorted(ids, torch.tensor([p.start, p.stop])).tolist()
                 if hi == lo:
                     continue
-                self.wire.send(w.request(w.ROWS, self.clock, count=param, rows=hi - lo), s, w.TAG_REQ).wait()
-                self._send(ids[lo:hi].contiguous(), s, w.TAG_IDS)
                 buf = torch.empty(hi - lo, table.dim)
-                got.append((buf, self.wire.recv(buf, s, w.TAG_ROWS)))
-        for buf, work in got:
-            work.wait()
-            self._moved(buf)
+                while True:  # parameters are pulled at the next step: this is mid-forward
+                    self._request(s, w.request(w.ROWS, self.clock, count=param, rows=hi - lo))
+                    self._send(ids[lo:hi].contiguous(), s, w.TAG_IDS)
+                    if self._wait([(s, self._io(self.wire.recv, buf, s, w.TAG_ROWS), buf, True)]):
+                        break
+                    self._recover(pull=False)
+                got.append(buf)
         self.comm.blocking(time.perf_counter() - t0)
-        return torch.cat([b for b, _ in got]) if got else torch.empty(0, table.dim)
+        return torch.cat(got) if got else torch.empty(0, table.dim)
 
     def _expect(self, s: int, with_params: bool) -> None:
         """Post the receive of server ``s``'s reply (and parameters) now; ``_receive`` waits."""
         rep = torch.empty(w.REP_LEN, dtype=torch.float64)
-        works = [self.wire.recv(rep, s, w.TAG_REP)]
+        works = [self._io(self.wire.recv, rep, s, w.TAG_REP)]
         buf = torch.empty(sum(p.numel for p in self.mine[s])) if with_params else torch.empty(0)
         if buf.numel():
-            works.append(self.wire.recv(buf, s, w.TAG_PARAM))
+            works.append(self._io(self.wire.recv, buf, s, w.TAG_PARAM))
         self._pending.append((s, rep, buf, works))
 
-    @torch.no_grad()
     def _receive(self) -> None:
+        self._collect()
+        self._recover()
+
+    @torch.no_grad()
+    def _collect(self) -> None:
+        """Wait for the posted replies; copy in the parameters of each whose link held."""
         for s, rep, buf, works in self._pending:
-            for work in works:
-                work.wait()
+            if not self._wait([(s, work, buf, False) for work in works]):
+                continue
             if buf.numel():
                 self.version[s] = int(rep[0])
                 self._moved(buf)
                 for p, v in zip(self.mine[s], buf.split([p.numel for p in self.mine[s]])):
                     self.params[p.param].view(-1)[p.start:p.stop].copy_(v)
         self._pending = []
+
+    def _recover(self, pull: bool = True) -> None:
+        """Relink to each restarted server (replica mode: its world restarted alone and restores
+        its shard from its last checkpoint): give it the layout (``_init_server``, restore), then
+        pull its parameters, unless mid-forward (``pull=False``: the next step's pull does)."""
+        while self.broken:
+            s = min(self.broken)
+            self.broken.discard(s)
+            self.slife[s] = ps_links.relink(self.roles, self.mesh, self.wire, self.life, s, self.slife[s],
+                                            self.timeout_s)
+            self._init_server(s, restore=True)
+            if pull:
+                self._request(s, w.request(w.PULL, self.clock))
+                self._expect(s, True)
+                self._collect()
+
+    def _init_server(self, s: int, restore: bool) -> None:
+        """Give server ``s`` its pieces' layout and this worker's values; ``restore``: the
+        server goes on from its latest checkpoint rather than the one at this clock."""
+        # per piece: parameter, start, stop, dims, row width (tables), values follow (tables)
+        table = torch.tensor([[p.param, p.start, p.stop, self.params[p.param].dim(), 0, 1]
+                              for p in self.mine[s]] +
+                             [[p.param, p.start, p.stop, 2, t.dim, int(t.values is not None)]
+                              for p in self.row_pieces[s]
+                              for t in [self.tables[p.param - self.n_dense]]],
+                             dtype=torch.int64).reshape(-1, 6)
+        self._request(s, w.request(w.INIT, self.clock, count=len(table), rows=int(restore)))
+        self._wait([(s, self._io(self.wire.send, table, s, w.TAG_INIT), table, False)])  # even if empty
+        self._send(self._gather(s, self.params), s, w.TAG_GRAD)
+        values = [t.values[p.start:p.stop].reshape(-1) for p in self.row_pieces[s]
+                  for t in [self.tables[p.param - self.n_dense]] if t.values is not None]
+        if values:
+            self._send(torch.cat(values), s, w.TAG_ROWS)
 
     def _start(self) -> None:
         """Worker 0 gives each server its pieces' layout and values (a server that restores its
@@ -265,21 +348,7 @@ class PSSync(SyncStrategy):
         self._hook.remove()
         if self.roles.index == 0 and self.life == 1:
             for s in range(self.roles.n_servers):
-                # per piece: parameter, start, stop, dims, row width (tables), values follow (tables)
-                table = torch.tensor([[p.param, p.start, p.stop, self.params[p.param].dim(), 0, 1]
-                                      for p in self.mine[s]] +
-                                     [[p.param, p.start, p.stop, 2, t.dim, int(t.values is not None)]
-                                      for p in self.row_pieces[s]
-                                      for t in [self.tables[p.param - self.n_dense]]],
-                                     dtype=torch.int64).reshape(-1, 6)
-                dst = s
-                self._request(s, w.request(w.INIT, self.clock, count=len(table)))
-                self.wire.send(table, dst, w.TAG_INIT).wait()
-                self._send(self._gather(s, self.params), dst, w.TAG_GRAD)
-                values = [t.values[p.start:p.stop].reshape(-1) for p in self.row_pieces[s]
-                          for t in [self.tables[p.param - self.n_dense]] if t.values is not None]
-                if values:
-                    self._send(torch.cat(values), dst, w.TAG_ROWS)
+                self._init_server(s, restore=False)
         for t in self.tables:
             t.values = None  # the servers hold the table now
         for s in range(self.roles.n_servers):

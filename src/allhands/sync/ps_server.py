@@ -24,7 +24,11 @@ every process, and the servers restore their shards from the last checkpoint. In
 (requests over sync/ps_links.py's per-worker links) a worker whose link fails is dropped: it
 leaves the active set (ssp's slowest worker is among the others), its waiting replies go, a push
 of it cut short is not applied; its replacement's first request makes it active again at the
-clock it reports.
+clock it reports. A server that restarted alone (its own world, replica mode) starts with no
+active worker: the live workers relink, the first one's INIT (with ``restore``) gives the layout
+and the shard comes back from the latest committed checkpoint, and each worker is active again
+from its next request, at the clock it reports, so the ssp bound holds among the relinked
+workers and none waits for one that has not relinked.
 
 Checkpoints: on worker 0's SAVE (sent when it saves), the shard (parameters, optimizer state,
 version) goes through the job's Checkpointer over the servers' group; on INIT a server restores
@@ -42,34 +46,15 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.config import Config
-from allhands.errors import ConfigError
 from allhands.faults import FaultInjector
 from allhands.sync import ps_links, ps_rows, ps_wire as w
+from allhands.sync.ps_shard import Shard, server_optimizer
 
 SaveFn = Callable[[int, dict[str, Stateful]], None]
-LoadFn = Callable[[int, dict[str, Stateful]], bool]
-
-
-def server_optimizer(cfg: Config, decay: list[torch.Tensor], no_decay: list[torch.Tensor],
-                     lr: float) -> torch.optim.Optimizer:
-    """``auto``: the optim section's optimizer, weight decay on matrices only (as the workers'
-    would be); else the named torch.optim class with its defaults and ``lr``."""
-    name, o = cfg.ps.optimizer, cfg.optim
-    if name == "auto":
-        groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        if o.name == "sgd":
-            return torch.optim.SGD(groups, lr=lr)
-        return torch.optim.AdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    cls = getattr(torch.optim, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"ps.optimizer: {name!r} is not a torch.optim optimizer; use auto or a "
-                          f"class name such as Adagrad, SGD, Adam")
-    return cls(decay + no_decay, lr=lr)
+LoadFn = Callable[[int | None, dict[str, Stateful]], int | None]  # step (None: the latest) -> step loaded
 
 
 Waiting = list[tuple[int, int, bool]]  # (worker, its clock, with parameters) replies due
@@ -94,44 +79,6 @@ def due_replies(waiting: Waiting, mode: str, in_round: set[int], clocks: list[in
     return go, keep
 
 
-class Shard(Stateful):
-    """This server's parameters and optimizer state, for the Checkpointer (keys per server)."""
-
-    def __init__(self, server: "Server"):
-        self.server = server
-
-    def state_dict(self) -> dict[str, Any]:
-        s = self.server
-        optim = {}
-        if s.opt is not None:
-            _init_optim_state(s.opt)  # lazily created state: a load needs its shapes
-            for p in s.pieces:
-                p.grad = None
-            optim = {f"{k}.{field}": v for k, p in enumerate(s.pieces)
-                     for field, v in s.opt.state[p].items() if isinstance(v, torch.Tensor)}
-        return {f"server{s.roles.index}": {"params": s.flat, "version": torch.tensor(s.version),
-                                           "optim": optim,
-                                           "tables": {str(k): t.state() for k, t in s.tables.items()}}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        s = self.server
-        mine = state[f"server{s.roles.index}"]
-        with torch.no_grad():
-            s.flat.copy_(mine["params"])
-        s.version = int(mine["version"])
-        for key, v in mine["optim"].items():
-            k, field = key.split(".", 1)
-            s.opt.state[s.pieces[int(k)]][field].copy_(v)
-        for k, t in s.tables.items():
-            t.load(mine["tables"][str(k)])
-
-
-def link_failed(e: Exception) -> bool:
-    """A gloo point-to-point operation failed because its peer went away (gloo's transport
-    errors name their source file), not a bug of this process."""
-    return isinstance(e, RuntimeError) and "/gloo/" in str(e)
-
-
 class Server:
     def __init__(self, cfg: Config, roles: w.Roles, source: ps_links.AnySource | ps_links.Hub, *,
                  save: SaveFn | None, load: LoadFn | None):
@@ -141,7 +88,8 @@ class Server:
         self.lr_scale = cfg.ps.lr / cfg.optim.lr if cfg.ps.lr else 1.0
         self.version = 0
         self.clocks = [0] * roles.n_workers
-        self.active = set(range(roles.n_workers))  # neither done nor lost
+        # neither done nor lost; after a restart, linked again and heard from
+        self.active = set(range(roles.n_workers)) if source.incarnation == 1 else set()
         self.done: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.opt: torch.optim.Optimizer | None = None
@@ -156,7 +104,8 @@ class Server:
                                       # seconds since start of each worker's pushes (throughput)
                                       "push_t": {k: [] for k in range(roles.n_workers)},
                                       "clock_gap": collections.Counter(),
-                                      "lost": []}  # [worker, seconds since start]
+                                      "lost": [],  # [worker, seconds since start]
+                                      "restored": None}  # [step, version] a restart went on from
 
     # -- the loop
     def run(self) -> dict[str, Any]:
@@ -164,6 +113,9 @@ class Server:
         idle_since = None  # when the last live worker was lost with others not done
         while len(self.done) < self.roles.n_workers:
             got = self.source.next(self.done)
+            for k in self.source.finished - self.done:  # finished while this server restarted
+                self.done.add(k)
+                self.active.discard(k)
             if got is None:  # replica mode: nothing yet; give up on workers gone for too long
                 idle_since = idle_since or time.perf_counter() if not self.active else None
                 if idle_since and time.perf_counter() - idle_since > self.cfg.parallel.timeout_s:
@@ -176,7 +128,7 @@ class Server:
                     self.handle(src, hdr)
                     self.source.handled(src, last=bool(int(hdr[0]) & w.DONE))
             except RuntimeError as e:
-                if not (self.source.rejoins and link_failed(e)):
+                if not (self.source.rejoins and w.link_failed(e)):
                     raise
                 hdr = None
             if hdr is None:
@@ -184,7 +136,8 @@ class Server:
             self._release()
             self.stats["busy_s"] += time.perf_counter() - t0
         self.stats["wall_s"] = time.perf_counter() - t_start
-        if self.save is not None and self.cfg.checkpoint.at_end:
+        if self.save is not None and self.cfg.checkpoint.at_end and self.flat is not None:  # None: restarted
+            # after every worker finished, so nothing to add to the last checkpoint
             self.save(max(self.clocks), {"ps": Shard(self)})
         return self.report()
 
@@ -195,7 +148,7 @@ class Server:
             self.active.discard(src)
             self.waiting = [r for r in self.waiting if r[0] != src]
         if flags & w.INIT:
-            self._init(src, clock, int(hdr[5]))
+            self._init(src, clock, int(hdr[5]), restore=bool(hdr[6]))
             return
         if flags & w.DONE:
             self.active.discard(src)
@@ -246,32 +199,41 @@ class Server:
             self.stats["bytes_in"] += t.numel() * t.element_size()
         return t
 
-    def _init(self, src: int, clock: int, count: int) -> None:
+    def _init(self, src: int, clock: int, count: int, restore: bool) -> None:
+        """The layout and values of this shard from a worker; then the checkpoint at ``clock``
+        if there is one or, with ``restore`` (workers relinking to restarted servers), the latest.
+        Only the first INIT counts: the others that restarted servers receive are read and dropped."""
         table = torch.empty(count, 6, dtype=torch.int64)
         self.wire.recv(table, src, w.TAG_INIT).wait()
         rows = table.tolist()
         dense = [r for r in rows if r[4] == 0]
         sizes = [r[2] - r[1] for r in dense]
-        self.flat = self._recv(torch.empty(sum(sizes)), src, w.TAG_GRAD)
+        flat = self._recv(torch.empty(sum(sizes)), src, w.TAG_GRAD)
+        sent = [r for r in rows if r[4] and r[5]]
+        values = self._recv(torch.empty(sum((r[2] - r[1]) * r[4] for r in sent)), src, w.TAG_ROWS)
+        if self.flat is not None:
+            return
+        self.flat = flat
         # Pieces are views of one flat buffer (what a pull sends); the optimizer steps them.
         self.pieces = [torch.nn.Parameter(v) for v in self.flat.split(sizes)]
         lr = self.cfg.ps.lr or self.cfg.optim.lr
         decay = [p for p, row in zip(self.pieces, dense) if row[3] >= 2]
         no_decay = [p for p, row in zip(self.pieces, dense) if row[3] < 2]
         self.opt = server_optimizer(self.cfg, decay, no_decay, lr) if self.pieces else None
-        sent = [r for r in rows if r[4] and r[5]]
-        values = self._recv(torch.empty(sum((r[2] - r[1]) * r[4] for r in sent)), src, w.TAG_ROWS)
         values = iter(values.split([(r[2] - r[1]) * r[4] for r in sent]))
         for param, start, stop, _, width, given in (r for r in rows if r[4]):
             init = (next(values).view(stop - start, width).clone() if given else
                     ps_rows.draw_rows(start, stop, width, self.q.row_init_std, self.cfg.run.seed * 7919 + param))
             self.tables[param] = ps_rows.RowShard(
                 start, stop, init, lambda ps, lr=lr: server_optimizer(self.cfg, ps, [], lr))
-        self.clocks = [clock] * self.roles.n_workers
+        if not restore:  # restored servers learn each worker's clock from its next request
+            self.clocks = [clock] * self.roles.n_workers
         if self.load is not None:
-            self.load(clock, {"ps": Shard(self)})
+            step = self.load(None if restore else clock, {"ps": Shard(self)})
             for p in self.pieces:
                 p.grad = None
+            if restore:  # what this incarnation went on from (None: no checkpoint yet)
+                self.stats["restored"] = None if step is None else [step, self.version]
 
     def _serve_rows(self, src: int, param: int, n: int) -> None:
         ids = self._recv(torch.empty(n, dtype=torch.int64), src, w.TAG_IDS)
@@ -309,7 +271,7 @@ class Server:
             try:
                 self._reply(src, pull)
             except RuntimeError as e:
-                if not (self.source.rejoins and link_failed(e)):
+                if not (self.source.rejoins and w.link_failed(e)):
                     raise
                 self._lose(src)
 
@@ -371,7 +333,8 @@ class Server:
             out[k] = {str(v): n for v, n in sorted(self.stats[k].items())}
         out.update(server=self.roles.index, shard_bytes=self.flat.numel() * 4 if self.flat is not None else 0,
                    table_bytes=sum(t.rows.numel() * 4 for t in self.tables.values()), version=self.version,
-                   joins=self.source.joins)
+                   joins=self.source.joins, incarnation=self.source.incarnation,
+                   incarnations=self.source.incarnations() if self.source.rejoins else [])
         return out
 
 

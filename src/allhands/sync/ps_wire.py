@@ -129,6 +129,13 @@ def request(flags: int, clock: int, lr: float = 0.0, norm: float = 0.0, version:
     return torch.tensor([flags, clock, lr, norm, version, count, rows, 0], dtype=torch.float64)
 
 
+def link_failed(e: Exception) -> bool:
+    """A gloo point-to-point operation failed because its peer went away (gloo's transport
+    errors name their source file, or torch raises its network error, as for a reset connection),
+    not a bug of this process."""
+    return isinstance(e, dist.DistNetworkError) or isinstance(e, RuntimeError) and "/gloo/" in str(e)
+
+
 class Wire:
     """Point-to-point tensors to the other role, by the peer's index (a server's, or a worker's):
     ``links[peer] = (group, the peer's rank in it)``."""
