@@ -44,7 +44,6 @@ from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
 from allhands.launch import stop
-from allhands.launch.replica_nodes import run_replica_nodes
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
 from allhands.sync.spares import hand_over, holder
@@ -52,22 +51,21 @@ from allhands.sync.spares import hand_over, holder
 WATCH_S = 0.02  # how often the watcher looks at every worker's process
 
 
-def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch: Callable,
-                 entry: Callable, group_spec: Any, policy: Any) -> None:
-    """Run ``nproc`` replica groups of ``group_spec.nproc`` workers each until they complete; LaunchError when
-    every group failed for good (each one's restarts used up)."""
-    if multi_node:  # every node's groups meet in one quorum store on node 0
-        return run_replica_nodes(cfg, nproc, job, launch=launch, entry=entry, group_spec=group_spec,
-                                 policy=policy)
+def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: Callable,
+                 group_spec: Any, policy: Any) -> None:
+    """Run ``nproc`` replica groups of ``group_spec.nproc`` workers each on this node until they
+    complete; LaunchError when every group failed for good (each one's restarts used up). Across
+    nodes: launch/replica_nodes.py, with the same slots and summary."""
     run_dir = Path(cfg.run.dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
     secret = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_group_main, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, nproc, store.port, launch, entry, group_spec,
-                               policy)) for g in range(nproc + cfg.fault.spares)]
-    start_with_secret(procs, secret)
+    procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
+                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{store.port}", secret,
+                               launch, entry, group_spec, policy)) for g in range(nproc + cfg.fault.spares)]
+    for p in procs:
+        p.start()
     spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
     print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
           f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
@@ -87,13 +85,19 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
         raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
                           stop.exit_code(signum))
     failed = [g for g, p in enumerate(procs) if p.exitcode != 0 and g not in watcher.cut_short]
-    if len(failed) == len(procs):
-        raise LaunchError(f"every replica group failed ({', '.join(map(str, failed))}); see the lines "
-                          f"above and {run_dir / 'logs'}")
+    check_groups(failed, len(procs), run_dir / "logs")
+    del store
+
+
+def check_groups(failed: list[int], total: int, logs: Path, whose: str = "") -> None:
+    """The end of a replica-mode launch whose slots ``failed`` (of ``total``) exited non-zero:
+    LaunchError when every one did, else a warning line naming them."""
+    if failed and len(failed) == total:
+        raise LaunchError(f"every replica group{whose} failed ({', '.join(map(str, failed))}); see the "
+                          f"lines above and {logs}")
     if failed:
         print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
               f"the others completed the job", file=sys.stderr, flush=True)
-    del store
 
 
 def start_with_secret(procs: list, secret: str) -> None:
@@ -129,11 +133,13 @@ def _join(procs: list, store: dist.Store, watcher: "Watcher") -> None:
         p.join()
 
 
-def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
-                entry: Callable, group_spec: Any, policy: Any) -> None:
+def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: str, secret: str,
+               launch: Callable, entry: Callable, group_spec: Any, policy: Any) -> None:
     """One slot (a replica group, or a spare when ``group >= groups``): the single-node launcher
-    with the group's workers, whose logs stay in the slot's directory whichever group it holds."""
-    os.environ[REPLICA_ENV] = f"{group},{groups},127.0.0.1,{port}"
+    with the group's workers, whose logs stay in the slot's directory whichever group it holds.
+    The quorum's ``coordinates`` (env.py ``replica_env``) and ``secret`` ("" with --insecure) reach
+    the workers through the environment (the secret comes here through a pipe, not argv)."""
+    os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
     cfg = Config.from_dict(cfg_dict)
     run_dir = Path(cfg.run.dir)
     where = group_dir(run_dir, group) if group < groups else run_dir / "replicas" / f"spare-{group - groups}"
