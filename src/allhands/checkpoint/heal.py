@@ -136,6 +136,7 @@ class ReplicaGroup:
         trainer.sampler = self  # the loop asks this object for its micro-batches
         trainer.replica = self
         self.healed_at: list[dict[str, Any]] = []
+        self.held = time.time()
         # DiLoCo: groups are its replicas; inner steps are local, and the outer sync over the
         # quorum is what commits or is discarded (a discarded round is redone from its start).
         self.diloco = trainer.strategy if trainer.strategy.name == "diloco" else None
@@ -159,10 +160,11 @@ class ReplicaGroup:
         was, and the quorum forms again without the dead. True when the state was replaced."""
         if not self.q.reform:
             return False
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         step = trainer.train_state.step
         while True:
             q: Quorum = self.q.form(step, on_wait=lambda: trainer.heartbeat.beat(step + 1))
+            formed = time.time()  # the timeline of a fault (bench/replica.py): form, then heal
             src, me = q.source, q.members.index(self.q.group)
             before = trainer.train_state.step
             behind = [s != q.steps[src] for s in q.steps]  # whose state this heal moves
@@ -179,7 +181,9 @@ class ReplicaGroup:
         took = time.perf_counter() - t0
         event = {"time": time.time(), "pid": os.getpid(), "quorum": q.qid, "members": list(q.members),
                  "from_group": q.members[src], "was_at": before, "step": trainer.train_state.step,
-                 "seconds": round(took, 4)}
+                 "seconds": round(took, 4), "began": began, "formed": formed}
+        if not self.healed_at:  # this process's first quorum: since it held its group (a spare: handed it)
+            event["held"] = self.held
         self.healed_at.append(event)
         if trainer.mesh.is_main:  # for ``allhands drill`` and bench/replica.py
             with open(trainer.run_dir / "quorums.jsonl", "a") as f:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import secrets
@@ -70,7 +71,7 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
     print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
           f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
     ours = sealed(store, secret, f"replica store at 127.0.0.1:{store.port}")
-    watcher = Watcher(ours, nproc, procs)
+    watcher = Watcher(ours, nproc, procs, run_dir / "replicas" / "notices.jsonl")
     with _stop_handling(ours, watcher) as stopping:
         watcher.start()
         try:
@@ -158,9 +159,9 @@ class Watcher(threading.Thread):
     """The launcher's eye on every worker process (the roster of sync/spares.py): when one that
     holds a group dies, its group goes to an idle spare and the failure notice is posted."""
 
-    def __init__(self, store: dist.Store, n_groups: int, slots: list):
+    def __init__(self, store: dist.Store, n_groups: int, slots: list, log: Path | None = None):
         super().__init__(name="allhands-replica-watcher", daemon=True)
-        self.store, self.n, self.slots = store, n_groups, slots
+        self.store, self.n, self.slots, self.log = store, n_groups, slots, log
         self.pids: dict[str, int] = {}  # incarnation -> pid, in start order
         self.dead: set[str] = set()
         self.handovers: list[tuple[float, int, str | None]] = []  # (time, group, spare or None)
@@ -201,6 +202,11 @@ class Watcher(threading.Thread):
             alive = any(h not in self.dead for h in held if h is not None and h != life)
             taker = hand_over(self.store, g, life, idle, peers_alive=alive)
             self.handovers.append((time.time(), g, taker))
+            if self.log is not None:  # each notice's time, for the timeline of a fault (bench/replica.py)
+                self.log.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.log, "a") as f:
+                    f.write(json.dumps({"time": self.handovers[-1][0], "group": g, "pid": self.pids[life],
+                                        "spare": self.pids[taker] if taker else None}) + "\n")
             then = (f"spare pid {self.pids[taker]} takes its place" if taker else
                     "no spare left: its own restart replaces it")
             print(f"allhands: replica group {g}: worker pid {self.pids[life]} died; {then}",
