@@ -20,8 +20,9 @@ group's own restart replaces it), and with ``fault.mode = "restart"`` (async che
 - timeline (replica): per fault, seconds after the SIGKILL of the watcher's notice, the
   survivors' failed all-reduce (group 0 starts to re-form), the quorum decided, its group
   connected and the heal done, the redone step's end; the spare's start of its quorum after the
-  hand-over; and the excess over the undisturbed pace of group 0's steps in the 20 s after the
-  redone step (the dead group's restart, which becomes the new spare, competing for the CPUs).
+  hand-over; and the excess of group 0's steps in the 20 s after the redone step over their
+  median pace in the 20 s before the fault (the dead group's restart, which becomes the new
+  spare, competes for the CPUs).
 
     python bench/replica.py [--faults 3] [--every 50] [--groups 3] [--spares 1] [--device-s 0.3]
 """
@@ -104,7 +105,9 @@ def timeline(run: Path, kills: list[float], killed: list[int], per_step: float) 
             continue
         redo = min(w for _, w, _ in rows0 if w > q["time"])
         later = [w for _, w, _ in rows0 if redo <= w <= redo + 20]
-        excess = (later[-1] - later[0]) - per_step * (len(later) - 1) if len(later) > 1 else 0.0
+        before = [w for _, w, _ in rows0 if t - 20 <= w < t]  # this run's own pace: the load varies
+        own = statistics.median(b - a for a, b in zip(before, before[1:])) if len(before) > 2 else per_step
+        excess = (later[-1] - later[0]) - own * (len(later) - 1) if len(later) > 1 else 0.0
         print(f"  group {g} killed: notice +{(notice or t) - t:.3f} s; survivor re-forms from "
               f"+{q['began'] - t:.3f}, decided +{q['formed'] - t:.3f}, connected and healed "
               f"+{q['time'] - t:.3f}, redone step done +{redo - t:.3f}"
