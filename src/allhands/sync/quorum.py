@@ -16,6 +16,10 @@ Keys (all under the store given):
 - ``q/E/m/G``: group G's registration for quorum E (its step and incarnation); ``q/E/members``
   the decided membership, set once by compare-and-set, so every group reads the same one;
   ``epoch`` the newest decided quorum.
+- ``q/E/r/G.L``: rank L of member G is ready to connect quorum E's gloo group; ``q/E/go``
+  ``yes`` once all are, ``no`` (compare-and-set, one outcome for all) when a member's holder is
+  dead by the launcher's notice or not ready within ``timeout_s``: a member lost between the
+  decision and the connection fails the quorum, and the others re-form without it.
 - ``life/G``: group G's current incarnation (a fresh token per process start).
 - ``joiners``: a counter a group outside the quorum bumps to be let in. Members read it before
   each all-reduce and sum it inside that all-reduce, so all of them see the same total and
