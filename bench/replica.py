@@ -19,8 +19,8 @@ group's own restart replaces it), and with ``fault.mode = "restart"`` (async che
   timed step, logging and checkpoint saves, so the undisturbed run itself scored about 0.96.)
 - timeline (replica): per fault, seconds after the SIGKILL of the watcher's notice, the
   survivors' failed all-reduce (group 0 starts to re-form), the quorum decided, its group
-  connected and the heal done, the redone step's end; the spare's start of its quorum after the
-  hand-over; and the excess of group 0's steps in the 20 s after the redone step over their
+  connected and the heal done, the redone step's end; when the replacement (a spare, or the
+  group's restart) holds the group and starts to form its quorum; and the excess of group 0's steps in the 20 s after the redone step over their
   median pace in the 20 s before the fault (the dead group's restart, which becomes the new
   spare, competes for the CPUs).
 
@@ -111,7 +111,8 @@ def timeline(run: Path, kills: list[float], killed: list[int], per_step: float) 
         print(f"  group {g} killed: notice +{(notice or t) - t:.3f} s; survivor re-forms from "
               f"+{q['began'] - t:.3f}, decided +{q['formed'] - t:.3f}, connected and healed "
               f"+{q['time'] - t:.3f}, redone step done +{redo - t:.3f}"
-              + (f"; spare: handed +{spare.get('held', t) - t:.3f}, in form() +{spare['began'] - t:.3f}"
+              + (f"; replacement (spare or restart): holds the group +{spare.get('held', t) - t:.3f}, "
+                 f"in form() +{spare['began'] - t:.3f}"
                  if spare else "") + f"; excess of the next 20 s of steps {excess:.2f} s", flush=True)
 
 
