@@ -20,9 +20,9 @@ group's own restart replaces it), and with ``fault.mode = "restart"`` (async che
 - timeline (replica): per fault, seconds after the SIGKILL of the watcher's notice, the
   survivors' failed all-reduce (group 0 starts to re-form), the quorum decided, its group
   connected and the heal done, the redone step's end; when the replacement (a spare, or the
-  group's restart) holds the group and starts to form its quorum; and the excess of group 0's steps in the 20 s after the redone step over their
-  median pace in the 20 s before the fault (the dead group's restart, which becomes the new
-  spare, competes for the CPUs).
+  group's restart) holds the group and starts to form its quorum; and the excess of group 0's
+  steps in the 20 s after the redone step over their median pace in the 20 s before the fault
+  (the dead group's restart, which becomes the new spare, competes for the CPUs).
 
     python bench/replica.py [--faults 3] [--every 50] [--groups 3] [--spares 1] [--device-s 0.3]
 """

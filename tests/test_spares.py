@@ -68,7 +68,7 @@ def test_the_failure_notice_closes_the_quorum_without_the_timeout():
     assert out["q"].members == (0,) and time.monotonic() - t0 < 2  # not 30 s
 
 
-def test_a_member_dead_between_the_decision_and_the_connection_is_a_failed_quorum():
+def test_a_member_dead_between_the_decision_and_the_connection_is_a_failed_quorum(capfd):
     """form()'s window: group 1 registered for quorum 1, which was decided with it, and died before
     its gloo group connected. The survivor neither raises (its worker would restart) nor waits for
     the connection's timeout: on the launcher's notice every member agrees the quorum failed, and
@@ -86,6 +86,7 @@ def test_a_member_dead_between_the_decision_and_the_connection_is_a_failed_quoru
     t.join(8)
     assert out["q"].members == (0,) and out["q"].qid == 2 and a.store.get("q/1/go") == b"no"
     assert time.monotonic() - t0 < 5  # neither quorum_timeout_s (30 s) nor the gloo timeout
+    assert "quorum 1 lost a member before its group connected" in capfd.readouterr().err
     g = [torch.full((2,), 3.0)]
     assert a.allreduce(g, 0) and torch.equal(g[0], torch.full((2,), 3.0))
 

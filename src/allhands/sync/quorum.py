@@ -281,6 +281,9 @@ class ReplicaQuorum:
             except RuntimeError as e:  # gloo: a member died inside the connection or admission
                 print(f"allhands: replica group {self.group}: quorum {q.qid}'s group did not connect "
                       f"({str(e).splitlines()[0][:160]}); re-forming", file=sys.stderr, flush=True)
+        elif self.rank == 0:
+            print(f"allhands: replica group {self.group}: quorum {q.qid} lost a member before its group "
+                  f"connected; re-forming without it", file=sys.stderr, flush=True)
         self.pg, self.reform = None, True
         return False
 
