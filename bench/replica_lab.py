@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from replica import MODEL, after, steps_of  # noqa: E402 - the same job and figures as one host
+from replica import MODEL, after, pace, steps_of  # noqa: E402 - the same job and figures as one host
 
 
 def run_on_lab(lab, sets: list[str], secret: str) -> None:
@@ -77,12 +77,12 @@ def main() -> None:
             run_on_lab(lab, [*base, *extra, f"run.dir={out / name}"], "bench-replica-lab-" + "x" * 16)
             rows[name] = steps_of(out / name / "metrics.jsonl")
     step_time = statistics.median(dt for _, _, dt in rows["undisturbed"])
-    print(f"undisturbed median step time {step_time:.3f} s")
+    per_step = pace(rows["undisturbed"])[1]  # the reference of goodput: bench/replica.py
+    print(f"undisturbed median step time {step_time:.3f} s, wall time per step {per_step:.3f} s")
     for name in ("replica", "restart"):
         kills = sorted(fired_at(out / name).values())
-        first, last = rows[name][0][1] - rows[name][0][2], rows[name][-1][1]
         stalls = [after(rows[name], t) for t in kills]
-        line = f"{name}: goodput {steps * step_time / (last - first):.2f}; "
+        line = f"{name}: goodput {steps * per_step / pace(rows[name])[0]:.2f}; "
         line += ("survivor stall " if name == "replica" else "recovery ") + ", ".join(
             f"{s:.2f} s" if s is not None else "none" for s in stalls)
         if name == "replica":

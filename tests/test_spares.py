@@ -21,7 +21,7 @@ from allhands.authstore import MACStore, store_key
 from allhands.checkpoint import committed
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.sync import spares
-from allhands.sync.quorum import QuorumStopped
+from allhands.sync.quorum import QuorumStopped, ReplicaQuorum
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
 from test_parity import max_rel_diff, reference_params
@@ -66,6 +66,46 @@ def test_the_failure_notice_closes_the_quorum_without_the_timeout():
     spares.hand_over(a.store, 1, b.life, [])  # its process died: the launcher's notice
     t.join(5)
     assert out["q"].members == (0,) and time.monotonic() - t0 < 2  # not 30 s
+
+
+def test_a_member_dead_between_the_decision_and_the_connection_is_a_failed_quorum(capfd):
+    """form()'s window: group 1 registered for quorum 1, which was decided with it, and died before
+    its gloo group connected. The survivor neither raises (its worker would restart) nor waits for
+    the connection's timeout: on the launcher's notice every member agrees the quorum failed, and
+    it re-forms without the dead group."""
+    master = _store()
+    a, b = _quorum(master, 0, timeout_s=30), _quorum(master, 1, timeout_s=30)
+    b.store.set("q/1/m/1", f"0:{b.life}")  # group 1's registration; it never gets further
+    out = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: out.setdefault("q", a.form(0)))
+    t.start()
+    while not master.check(["q/1/members"]):  # decided with both groups
+        time.sleep(0.005)
+    spares.hand_over(b.store, 1, b.life, [])  # its process died: the launcher's notice
+    t.join(8)
+    assert out["q"].members == (0,) and out["q"].qid == 2 and a.store.get("q/1/go") == b"no"
+    assert time.monotonic() - t0 < 5  # neither quorum_timeout_s (30 s) nor the gloo timeout
+    assert "quorum 1 lost a member before its group connected" in capfd.readouterr().err
+    g = [torch.full((2,), 3.0)]
+    assert a.allreduce(g, 0) and torch.equal(g[0], torch.full((2,), 3.0))
+
+
+def test_a_connection_that_fails_after_the_go_is_a_failed_quorum(capfd):
+    """The rest of the window: group 1 said it was ready to connect, then never connected and no
+    notice came (cut off). The survivor's gloo connection times out; that fails the quorum, and the
+    survivor re-forms alone after quorum_timeout_s instead of raising."""
+    master = _store()
+    tcp = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=1))
+    a = ReplicaQuorum(MACStore(tcp, store_key("test-secret"), "test store"), 0, 2, timeout_s=0.3,
+                      dead_s=30.0, pg_timeout_s=1)
+    b = _client(master)
+    b.set("life/1", "b-life")
+    b.set("q/1/m/1", "0:b-life")
+    b.set("q/1/r/1.0", "1")  # ready to connect; then silence
+    q = a.form(0)
+    assert q.members == (0,) and q.qid == 2 and a.store.get("q/1/go") == b"yes"
+    assert "quorum 1's group did not connect" in capfd.readouterr().err
 
 
 def test_the_store_stays_bounded_and_a_waiting_group_beats():

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from allhands.memory import local
 from allhands.sync.quorum import Quorum, ReplicaQuorum
@@ -47,6 +48,29 @@ def _bcast(pg: dist.ProcessGroup, tensors: list[torch.Tensor], src: int) -> None
     opts.rootRank = src
     for t in tensors:
         pg.broadcast([t], opts).wait()
+
+
+_BUCKET_BYTES = 32 << 20  # at most this much state is copied into one flat buffer at a time
+
+
+def _bcast_coalesced(pg: dist.ProcessGroup, tensors: list[torch.Tensor], src: int, me: int) -> None:
+    """Broadcast ``tensors`` from ``src`` in place, as flat buckets of one dtype each instead of one
+    collective per tensor: a heal moves about three tensors per parameter, and each collective
+    costs a round trip (on a slow link, its latency). The buckets are cut alike on every member,
+    since every member's tensors have the source's shapes and dtypes (the layout)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in [*tensors, None]:
+        if bucket and (t is None or t.dtype != bucket[0].dtype or size + t.numel() * t.element_size() > _BUCKET_BYTES):
+            flat = _flatten_dense_tensors(bucket)
+            _bcast(pg, [flat], src)
+            if me != src:
+                for dst, got in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(got)
+            bucket, size = [], 0
+        if t is not None:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
 
 
 def _layout(trainer: Any) -> dict[str, Any]:
@@ -105,10 +129,10 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int,
     # A receiver fills buffers of its own and puts them in place only once all of them arrived.
     tensors = targets if me == src else [torch.empty_like(t) for t in targets]
     half = len(tensors) // 2
-    _bcast(pg, tensors[:half], src)
+    _bcast_coalesced(pg, tensors[:half], src, me)
     if midway is not None:
         midway()
-    _bcast(pg, tensors[half:], src)
+    _bcast_coalesced(pg, tensors[half:], src, me)
     if me == src:
         return
     for old, new in zip(targets, tensors):
@@ -136,6 +160,7 @@ class ReplicaGroup:
         trainer.sampler = self  # the loop asks this object for its micro-batches
         trainer.replica = self
         self.healed_at: list[dict[str, Any]] = []
+        self.held = time.time()
         # DiLoCo: groups are its replicas; inner steps are local, and the outer sync over the
         # quorum is what commits or is discarded (a discarded round is redone from its start).
         self.diloco = trainer.strategy if trainer.strategy.name == "diloco" else None
@@ -159,10 +184,11 @@ class ReplicaGroup:
         was, and the quorum forms again without the dead. True when the state was replaced."""
         if not self.q.reform:
             return False
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         step = trainer.train_state.step
         while True:
             q: Quorum = self.q.form(step, on_wait=lambda: trainer.heartbeat.beat(step + 1))
+            formed = time.time()  # the timeline of a fault (bench/replica.py): form, then heal
             src, me = q.source, q.members.index(self.q.group)
             before = trainer.train_state.step
             behind = [s != q.steps[src] for s in q.steps]  # whose state this heal moves
@@ -179,7 +205,9 @@ class ReplicaGroup:
         took = time.perf_counter() - t0
         event = {"time": time.time(), "pid": os.getpid(), "quorum": q.qid, "members": list(q.members),
                  "from_group": q.members[src], "was_at": before, "step": trainer.train_state.step,
-                 "seconds": round(took, 4)}
+                 "seconds": round(took, 4), "began": began, "formed": formed}
+        if not self.healed_at:  # this process's first quorum: since it held its group (a spare: handed it)
+            event["held"] = self.held
         self.healed_at.append(event)
         if trainer.mesh.is_main:  # for ``allhands drill`` and bench/replica.py
             with open(trainer.run_dir / "quorums.jsonl", "a") as f:

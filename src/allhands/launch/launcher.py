@@ -353,11 +353,13 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
 
         return run_ps_groups(cfg, spec, job, launch=launch, entry=worker_entry, policy=policy)
     if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
-        from allhands.launch.replicas import run_replicas  # start-up time: the trainer's modules
+        from allhands.launch.replica_nodes import run_replica_nodes  # start-up time: the trainer's modules
+        from allhands.launch.replicas import run_replicas
 
         per = replica_group_size(cfg.parallel, spec.nproc)  # FSDP inside a group: dp_shard ranks
-        run_replicas(cfg, spec.nproc // per, spec.multi_node, job, launch=launch, entry=worker_entry,
-                     group_spec=dataclasses.replace(spec, nproc=per, port=0, run_id=""), policy=policy)
+        run = run_replica_nodes if spec.multi_node else run_replicas  # across nodes: one store on node 0
+        run(cfg, spec.nproc // per, job, launch=launch, entry=worker_entry,
+            group_spec=dataclasses.replace(spec, nproc=per, port=0, run_id=""), policy=policy)
         return
     launch(worker_entry, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=policy,

@@ -30,11 +30,10 @@ import torch.distributed as dist
 
 from allhands import admission
 from allhands.authstore import sealed
-from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
-from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
-from allhands.errors import ConfigError, LaunchError
+from allhands.errors import ConfigError
 from allhands.launch.listeners import bind_socket, is_wildcard, resolve
+from allhands.launch.replicas import check_groups, group_main
 
 _LABEL = b"allhands-replica-quorum-v1"
 
@@ -88,9 +87,9 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
     groups = nproc * spec.nnodes
     mine = [spec.node_rank * nproc + g for g in range(nproc)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_node_group, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, f"{g},{groups},{host},{port},{address}", secret or "",
-                               launch, entry, one_node, policy)) for g in mine]
+    procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
+                         args=(cfg.to_dict(), job, g, groups, f"{g},{groups},{host},{port},{address}",
+                               secret or "", launch, entry, one_node, policy)) for g in mine]
     for p in procs:
         p.start()
     print(f"allhands: replica mode: node {spec.node_rank} runs replica groups "
@@ -102,13 +101,7 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
     if master is not None:  # the others' groups may still be finishing against this store
         _wait_for_nodes(store, spec.nnodes, cfg.parallel.timeout_s)
     failed = [g for g, p in zip(mine, procs) if p.exitcode != 0]
-    if len(failed) == len(procs):
-        raise LaunchError(f"every replica group of node {spec.node_rank} failed "
-                          f"({', '.join(map(str, failed))}); see the lines above and "
-                          f"{Path(cfg.run.dir) / 'logs'}")
-    if failed:
-        print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
-              f"the others completed the job", file=sys.stderr, flush=True)
+    check_groups(failed, len(procs), Path(cfg.run.dir) / "logs", f" of node {spec.node_rank}")
 
 
 def _wait_for_nodes(store: dist.Store, nnodes: int, timeout_s: float) -> None:
@@ -118,18 +111,3 @@ def _wait_for_nodes(store: dist.Store, nnodes: int, timeout_s: float) -> None:
             return
         time.sleep(0.2)
 
-
-def _node_group(cfg_dict: dict, job: Any, group: int, coordinates: str, secret: str, launch: Callable,
-                entry: Callable, one_node: Any, policy: Any) -> None:
-    """One replica group of this node: its quorum's coordinates and secret go to its workers
-    through the environment (env.py ``replica_env``)."""
-    os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
-    cfg = Config.from_dict(cfg_dict)
-    where = group_dir(Path(cfg.run.dir), group)
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        launch(entry, (cfg_dict, job), one_node, threads=cfg.run.threads, log_dir=where / "logs",
-               policy=policy, run_dir=where)
-    except LaunchError as e:
-        print(f"allhands: replica group {group}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import secrets
@@ -44,7 +45,6 @@ from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
 from allhands.launch import stop
-from allhands.launch.replica_nodes import run_replica_nodes
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
 from allhands.sync.spares import hand_over, holder
@@ -52,27 +52,26 @@ from allhands.sync.spares import hand_over, holder
 WATCH_S = 0.02  # how often the watcher looks at every worker's process
 
 
-def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch: Callable,
-                 entry: Callable, group_spec: Any, policy: Any) -> None:
-    """Run ``nproc`` replica groups of ``group_spec.nproc`` workers each until they complete; LaunchError when
-    every group failed for good (each one's restarts used up)."""
-    if multi_node:  # every node's groups meet in one quorum store on node 0
-        return run_replica_nodes(cfg, nproc, job, launch=launch, entry=entry, group_spec=group_spec,
-                                 policy=policy)
+def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: Callable,
+                 group_spec: Any, policy: Any) -> None:
+    """Run ``nproc`` replica groups of ``group_spec.nproc`` workers each on this node until they
+    complete; LaunchError when every group failed for good (each one's restarts used up). Across
+    nodes: launch/replica_nodes.py, with the same slots and summary."""
     run_dir = Path(cfg.run.dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
     secret = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_group_main, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, nproc, store.port, launch, entry, group_spec,
-                               policy)) for g in range(nproc + cfg.fault.spares)]
-    start_with_secret(procs, secret)
+    procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
+                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{store.port}", secret,
+                               launch, entry, group_spec, policy)) for g in range(nproc + cfg.fault.spares)]
+    for p in procs:
+        p.start()
     spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
     print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
           f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
     ours = sealed(store, secret, f"replica store at 127.0.0.1:{store.port}")
-    watcher = Watcher(ours, nproc, procs)
+    watcher = Watcher(ours, nproc, procs, run_dir / "replicas" / "notices.jsonl")
     with _stop_handling(ours, watcher) as stopping:
         watcher.start()
         try:
@@ -87,13 +86,19 @@ def run_replicas(cfg: Config, nproc: int, multi_node: bool, job: Any, *, launch:
         raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
                           stop.exit_code(signum))
     failed = [g for g, p in enumerate(procs) if p.exitcode != 0 and g not in watcher.cut_short]
-    if len(failed) == len(procs):
-        raise LaunchError(f"every replica group failed ({', '.join(map(str, failed))}); see the lines "
-                          f"above and {run_dir / 'logs'}")
+    check_groups(failed, len(procs), run_dir / "logs")
+    del store
+
+
+def check_groups(failed: list[int], total: int, logs: Path, whose: str = "") -> None:
+    """The end of a replica-mode launch whose slots ``failed`` (of ``total``) exited non-zero:
+    LaunchError when every one did, else a warning line naming them."""
+    if failed and len(failed) == total:
+        raise LaunchError(f"every replica group{whose} failed ({', '.join(map(str, failed))}); see the "
+                          f"lines above and {logs}")
     if failed:
         print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
               f"the others completed the job", file=sys.stderr, flush=True)
-    del store
 
 
 def start_with_secret(procs: list, secret: str) -> None:
@@ -129,11 +134,13 @@ def _join(procs: list, store: dist.Store, watcher: "Watcher") -> None:
         p.join()
 
 
-def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
-                entry: Callable, group_spec: Any, policy: Any) -> None:
+def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: str, secret: str,
+               launch: Callable, entry: Callable, group_spec: Any, policy: Any) -> None:
     """One slot (a replica group, or a spare when ``group >= groups``): the single-node launcher
-    with the group's workers, whose logs stay in the slot's directory whichever group it holds."""
-    os.environ[REPLICA_ENV] = f"{group},{groups},127.0.0.1,{port}"
+    with the group's workers, whose logs stay in the slot's directory whichever group it holds.
+    The quorum's ``coordinates`` (env.py ``replica_env``) and ``secret`` ("" with --insecure) reach
+    the workers through the environment (the secret comes here through a pipe, not argv)."""
+    os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
     cfg = Config.from_dict(cfg_dict)
     run_dir = Path(cfg.run.dir)
     where = group_dir(run_dir, group) if group < groups else run_dir / "replicas" / f"spare-{group - groups}"
@@ -152,9 +159,9 @@ class Watcher(threading.Thread):
     """The launcher's eye on every worker process (the roster of sync/spares.py): when one that
     holds a group dies, its group goes to an idle spare and the failure notice is posted."""
 
-    def __init__(self, store: dist.Store, n_groups: int, slots: list):
+    def __init__(self, store: dist.Store, n_groups: int, slots: list, log: Path | None = None):
         super().__init__(name="allhands-replica-watcher", daemon=True)
-        self.store, self.n, self.slots = store, n_groups, slots
+        self.store, self.n, self.slots, self.log = store, n_groups, slots, log
         self.pids: dict[str, int] = {}  # incarnation -> pid, in start order
         self.dead: set[str] = set()
         self.handovers: list[tuple[float, int, str | None]] = []  # (time, group, spare or None)
@@ -195,6 +202,11 @@ class Watcher(threading.Thread):
             alive = any(h not in self.dead for h in held if h is not None and h != life)
             taker = hand_over(self.store, g, life, idle, peers_alive=alive)
             self.handovers.append((time.time(), g, taker))
+            if self.log is not None:  # each notice's time, for the timeline of a fault (bench/replica.py)
+                self.log.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.log, "a") as f:
+                    f.write(json.dumps({"time": self.handovers[-1][0], "group": g, "pid": self.pids[life],
+                                        "spare": self.pids[taker] if taker else None}) + "\n")
             then = (f"spare pid {self.pids[taker]} takes its place" if taker else
                     "no spare left: its own restart replaces it")
             print(f"allhands: replica group {g}: worker pid {self.pids[life]} died; {then}",

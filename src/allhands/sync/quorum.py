@@ -16,6 +16,10 @@ Keys (all under the store given):
 - ``q/E/m/G``: group G's registration for quorum E (its step and incarnation); ``q/E/members``
   the decided membership, set once by compare-and-set, so every group reads the same one;
   ``epoch`` the newest decided quorum.
+- ``q/E/r/G.L``: rank L of member G is ready to connect quorum E's gloo group; ``q/E/go``
+  ``yes`` once all are, ``no`` (compare-and-set, one outcome for all) when a member's holder is
+  dead by the launcher's notice or not ready within ``timeout_s``: a member lost between the
+  decision and the connection fails the quorum, and the others re-form without it.
 - ``life/G``: group G's current incarnation (a fresh token per process start).
 - ``joiners``: a counter a group outside the quorum bumps to be let in. Members read it before
   each all-reduce and sum it inside that all-reduce, so all of them see the same total and
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 
@@ -204,12 +209,12 @@ class ReplicaQuorum:
                 time.sleep(0.005)
             q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
             if self.group in q.members and q.lives[q.members.index(self.group)] == self.life:
-                self.quorum, self.reform = q, False
-                self.pg = self._group(q)
                 self._stale.append(f"q/{e}/m/{self.group}")
                 if q.members[0] == self.group and e > 2:  # nobody reads a quorum two back
                     self._stale.append(f"q/{e - 2}/members")
-                return q
+                if self._connect(q, on_wait):
+                    return q
+                # a member died between the decision and the connection: re-form without it
 
     def _follow(self, on_wait=None) -> Quorum:
         """A local rank > 0: the first quorum after this rank's last one that holds this group's
@@ -219,9 +224,8 @@ class ReplicaQuorum:
         while True:
             if self.store.check([f"q/{e}/members"]):
                 q = Quorum.decode(e, self.store.get(f"q/{e}/members"))
-                if self.group in q.members and q.lives[q.members.index(self.group)] == self.life:
-                    self.quorum, self.reform = q, False
-                    self.pg = self._group(q)
+                if self.group in q.members and q.lives[q.members.index(self.group)] == self.life \
+                        and self._connect(q, on_wait):
                     return q
                 e += 1
             elif self.store.check(["epoch"]) and int(self.store.get("epoch")) > e:
@@ -244,6 +248,44 @@ class ReplicaQuorum:
             self.store.set("epoch", str(e))
         elif not self.store.check(["epoch"]) or int(self.store.get("epoch")) < e:
             self.store.set("epoch", str(e))  # the winner may have died before it said so
+
+    def _connect(self, q: Quorum, on_wait=None) -> bool:
+        """Make ``q``'s gloo group; False when the quorum failed before it connected: a member
+        died after the decision (the launcher's notice), or never came to connect within
+        ``timeout_s``, or the connection itself failed. Every member takes the same outcome from
+        ``q/E/go`` (compare-and-set, as a step's decision), so all of them connect or all re-form."""
+        mine = f"q/{q.qid}/r/{self.group}.{self.rank}"
+        self.store.set(mine, "1")
+        self._stale.append(mine)
+        go, ready = f"q/{q.qid}/go", [f"q/{q.qid}/r/{g}.{r}" for g in q.members for r in range(self.ranks)]
+        start = beat = time.monotonic()
+        while not self.store.check([go]):
+            verdict = b"yes" if self.store.check(ready) else b""
+            if not verdict and (time.monotonic() - start > self.timeout_s or any(
+                    self.store.check([f"dead/{life}"]) for life in q.lives)):
+                verdict = b"no"
+            if verdict:
+                self.store.compare_set(go, "", verdict)
+                break
+            if on_wait is not None and time.monotonic() - beat >= 1.0:
+                on_wait()
+                beat = time.monotonic()
+            time.sleep(0.002)
+        if q.members[0] == self.group and self.rank == 0:
+            self._stale.append(go)
+        self.quorum = q
+        if bytes(self.store.get(go)) == b"yes":
+            try:
+                self.pg, self.reform = self._group(q), False
+                return True
+            except RuntimeError as e:  # gloo: a member died inside the connection or admission
+                print(f"allhands: replica group {self.group}: quorum {q.qid}'s group did not connect "
+                      f"({str(e).splitlines()[0][:160]}); re-forming", file=sys.stderr, flush=True)
+        elif self.rank == 0:
+            print(f"allhands: replica group {self.group}: quorum {q.qid} lost a member before its group "
+                  f"connected; re-forming without it", file=sys.stderr, flush=True)
+        self.pg, self.reform = None, True
+        return False
 
     def _group(self, q: Quorum) -> dist.ProcessGroup:
         """The quorum's gloo group (of this local rank's peers: worker L of every member), its
