@@ -381,10 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     for category, message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     try:
-        code = args.fn(args)
-        if argv is None:  # the command itself: its exit skips a collection of torch's whole heap
-            gc.freeze()   # (seconds at every exit on a loaded machine; everything is closed)
-        return code
+        return args.fn(args)
     except Interrupted as e:  # a stop on a signal is no error: its own line and exit code
         print(e, file=sys.stderr)
         return e.exit_code
@@ -394,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("allhands: interrupted; the last committed checkpoint is intact", file=sys.stderr)
         return 130
+    finally:
+        if argv is None:  # the command itself, on every exit: skip a collection of torch's whole
+            gc.freeze()   # heap (seconds on a loaded machine; everything is closed by now)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ class FaultConfig:
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
                          "exception, oom, hang, nan, ckpt (kill during the checkpoint write), heal-source|"
-                         "heal-joiner (kill amid a replica-mode heal, as its source or as a joiner), "
+                         "heal-joiner (kill amid a replica-mode heal, as its source or as a joiner), ps-push (kill a "
+                         "parameter-server worker halfway through a push), "
                          "flake (gloo's connectFullMesh error before the first step), slow=F "
                          "(from STEP on, every step F times as long: a straggler), launcher-SIGNAL "
                          "(the rank sends SIGNAL to its launcher during STEP: a stop at that step)")

@@ -212,7 +212,10 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     _quiet_intrusions_in_threads()
     # Before the private temporary directory: the forkserver outlives this job (the next one in
     # this process reuses it) and multiprocessing puts its socket in the temporary directory.
-    forkstart.ensure_server()
+    # A script's workers are spawned (run_agent), so a server would only import torch in vain
+    # and hold the launcher's output open for seconds after it exits.
+    if callable(entrypoint):
+        forkstart.ensure_server()
     if policy is None:
         policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
 
