@@ -25,14 +25,13 @@ start, a forked one would take from the server as it was when *it* started; so i
   while they stop cleanly. The server starts with them blocked (a signal mask survives fork and
   exec) and each worker unblocks them first thing, so one pending for it is delivered then.
 
-- **Its end.** multiprocessing puts the server's socket in the launcher's ``pymp-*`` directory,
-  which the launcher removes as it exits normally; a launcher killed by a signal (SIGKILL, a
-  SIGTERM before its handlers are in place) or ended by ``os._exit`` leaves it, socket and all, in
-  the shared temporary directory. The server outlives its launcher by a moment (it goes when the
-  "alive" pipe reaches EOF), so it removes the directory on its way out when its launcher is gone.
-  It also holds the launcher's stdout and stderr, so whoever reads the launcher's output to its
-  end (a pipe, ``| tee``, a test) waits for the server's exit too; that skips the interpreter's
-  last collection of torch's whole heap, as the CLI's own exit does. :func:`_at_server_exit`.
+- **Its end.** The server holds the launcher's stdout and stderr, so whoever reads the launcher's
+  output to its end (a pipe, ``| tee``, a test) waits for the server's exit too; that exit skips
+  the interpreter's last collection of torch's whole heap, as the CLI's own exit does
+  (:func:`_at_server_exit`). multiprocessing puts the server's socket in the launcher's ``pymp-*``
+  directory, which a launcher killed by a signal or ended by ``os._exit`` leaves behind (mode
+  0700). The server does not remove it: a process spawned by the launcher inherits the same
+  directory and may still be using it.
 
 What the preload leaves in the server: no open file but its own socket and pipes, and one idle
 native thread that ``import torch`` starts; a fork keeps only the forking thread, as it does for
@@ -46,12 +45,10 @@ import atexit
 import gc
 import multiprocessing
 import os
-import shutil
 import signal
 import tempfile
 import threading
-import time
-from multiprocessing import forkserver, reduction, resource_tracker, util
+from multiprocessing import forkserver, reduction, resource_tracker
 from typing import Any, Callable
 
 import torch
@@ -63,9 +60,9 @@ PRELOAD = ["allhands.launch.launcher", "allhands.worker"]
 # SIGTERM and SIGUSR1 (stop.py); the server ignores SIGINT itself.
 SHIELDED = {signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT}
 
-# "PID:DIR": the launcher and its pymp-* directory, told to the server it starts (which imports
-# this module, maybe after the launcher is gone: its parent then is not the launcher).
-SOCKET_DIR_ENV = "ALLHANDS_FORKSERVER_DIR"
+# Set while ensure_server starts the server, which imports this module in its preload: the mark
+# that this process is the server (its workers never see it: Inherited).
+SERVER_ENV = "ALLHANDS_FORKSERVER"
 
 _lock = threading.Lock()
 _server_pid: list[int | None] = [None]  # the forkserver this module started
@@ -84,39 +81,25 @@ def ensure_server() -> str:
             # First, unshielded: starting the tracker unblocks SIGINT and SIGTERM on its way out.
             resource_tracker.ensure_running()
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
-            # The directory the server's socket goes in (multiprocessing's own, made here if not
-            # yet); the server inherits the variable and the workers do not (Inherited).
-            os.environ[SOCKET_DIR_ENV] = f"{os.getpid()}:{util.get_temp_dir()}"
+            os.environ[SERVER_ENV] = "1"  # inherited by the server only
             try:
                 forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
             finally:
-                os.environ.pop(SOCKET_DIR_ENV, None)
+                os.environ.pop(SERVER_ENV, None)
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             _server_pid[0] = fs._forkserver_pid
         return "forkserver" if fs._forkserver_pid == _server_pid[0] else "spawn"
 
 
-def _at_server_exit(socket_dir: str, launcher: int, server: int) -> None:
-    """The server's end (see above): no collection of the heap at the interpreter's exit, and the
-    launcher's ``pymp-*`` directory removed if the launcher is gone without removing it. A
-    launcher that stops the server itself (multiprocessing's ``_stop``) is still its parent and
-    removes the socket after the server exits; one that died made the server an orphan, which the
-    kernel does as it closes the launcher's files, so the server waits a moment for that after
-    the pipe's EOF."""
-    if os.getpid() != server:  # a forked worker ends by os._exit; this is for the server only
-        return
-    gc.freeze()
-    deadline = time.monotonic() + 0.2
-    while os.getppid() == launcher:
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.01)
-    shutil.rmtree(socket_dir, ignore_errors=True)
+def _at_server_exit(server: int) -> None:
+    """The server's end (see above): no collection of the heap at the interpreter's exit."""
+    if os.getpid() == server:  # a forked worker ends by os._exit; this is for the server only
+        gc.freeze()
 
 
-if SOCKET_DIR_ENV in os.environ:  # imported by the preload of a server ensure_server started
-    _launcher, _, _dir = os.environ.pop(SOCKET_DIR_ENV).partition(":")
-    atexit.register(_at_server_exit, _dir, int(_launcher), os.getpid())
+if SERVER_ENV in os.environ:  # imported by the preload of a server ensure_server started
+    os.environ.pop(SERVER_ENV)
+    atexit.register(_at_server_exit, os.getpid())
 
 
 class Inherited:
