@@ -4,6 +4,7 @@ the lines it says and the records it writes, with a fake clock and sleep so that
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -11,6 +12,7 @@ from allhands.config import Config, apply_override
 from allhands.launch.launcher import LaunchSpec, restart_policy
 from allhands.launch.policy import (FATAL_CAUSES, MAX_FLAKE_RETRIES, JobRestarts, RestartPolicy,
                                     bug_signature)
+from allhands.launch.stop import Stopped
 
 KILLED = "worker rank 1 (pid 9) on node a failed: killed by SIGKILL"
 FLAKE = "worker rank 1 (pid 9) on node a failed: RuntimeError: Gloo connectFullMesh failed with [pair.cc:144]"
@@ -159,6 +161,24 @@ def test_a_node_admitted_is_said_and_recorded_but_not_counted(tmp_path):
     assert (rec["verdict"], rec["node"], rec["resume_from"]) == ("admit", "10.61.0.2",
                                                                  "checkpoint step 4")
     assert job.restarts == 0 and job.decide(KILLED, progressed=True).verdict == "restart"
+
+def test_a_stop_during_the_backoff_still_records_the_failure(tmp_path):
+    """A launcher stopped while it waits to restart (a signal, or a replica slot ended because the
+    job finished meanwhile) never restarts, but the failure is on record, marked with the stop."""
+    c = Clock()
+
+    def stopped():
+        raise Stopped(signal.SIGTERM, clean=False)
+    c.during_sleep = stopped
+    commit_checkpoint(tmp_path, 2)
+    job = c.job(RestartPolicy(max_restarts=1, backoff_s=4), tmp_path)
+    d = job.decide(KILLED, progressed=True)
+    with pytest.raises(Stopped):
+        job.backoff(d)
+    (rec,) = records(tmp_path)
+    assert (rec["verdict"], rec["resume_from"], rec["stopped"]) == ("restart", "checkpoint step 2", "SIGTERM")
+    assert c.lines == []  # no "restart 1/1 from ..." line: it did not restart
+
 
 def test_the_backoff_doubles_while_stalled_resets_after_progress_and_is_capped():
     c = Clock()

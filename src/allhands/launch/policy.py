@@ -178,8 +178,15 @@ class JobRestarts:
         return d
 
     def backoff(self, d: Decision) -> None:
-        """Before the next attempt: wait ``d.delay_s``, then record it and say the line."""
-        self.sleep(d.delay_s)
+        """Before the next attempt: wait ``d.delay_s``, then record it and say the line. A stop
+        during the wait (stop.Stopped, raised by the signal handler) still records the failure,
+        marked with the stop, so no failure is missing from restarts.jsonl."""
+        try:
+            self.sleep(d.delay_s)
+        except BaseException as e:
+            self.record(d, delay_s=d.delay_s, resume_from=self.resume_from(),
+                        stopped=str(e) or type(e).__name__)
+            raise
         # Read after the backoff: a worker that raised gives its save in flight time to commit
         # (Checkpointer.drain), which may land just after the failure is reported.
         resume = self.resume_from()

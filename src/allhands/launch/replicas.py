@@ -50,6 +50,7 @@ from allhands.stopflag import STOP_SIGNALS, signal_of
 from allhands.sync.spares import hand_over, holder
 
 WATCH_S = 0.02  # how often the watcher looks at every worker's process
+CUT_SHORT_S = 5.0  # how long a slot ended after the job may take to stop before it is killed
 
 
 def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: Callable,
@@ -78,7 +79,7 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
             _join(procs, ours, watcher)
         finally:
             watcher.halt()
-    codes = [p.exitcode for p in procs]
+    codes = [p.exitcode for i, p in enumerate(procs) if i not in watcher.cut_short]
     signum = stopping.signum or next((signal_of(c) for c in codes if c and signal_of(c)), None)
     if signum:
         spec = dataclasses.replace(group_spec, nproc=nproc)
@@ -118,18 +119,28 @@ def start_with_secret(procs: list, secret: str) -> None:
 
 def _join(procs: list, store: dist.Store, watcher: "Watcher") -> None:
     """Wait for every slot. Once the job is done and every group's last holder has exited, a slot
-    still restarting a worker (its start takes seconds) has nothing left to do: it is ended."""
+    still restarting a worker (its start takes seconds) has nothing left to do: it is ended, its
+    worker killed and the slot stopped like a launcher in its backoff (SIGTERM, so the failure
+    it was restarting from still reaches its restarts.jsonl), or killed after CUT_SHORT_S."""
+    deadline = None
     while any(p.is_alive() for p in procs):
         time.sleep(0.1)
-        if watcher.cut_short or not store.check(["done"]):
+        if deadline is not None:
+            if time.monotonic() > deadline:
+                for i in watcher.cut_short:
+                    _kill(procs[i].pid)
+            continue
+        if not store.check(["done"]):
             continue
         holders = {holder(store, g) for g in range(watcher.n)}
         if holders <= watcher.dead:
+            deadline = time.monotonic() + CUT_SHORT_S
             for i, p in enumerate(procs):
                 if p.is_alive():
                     watcher.cut_short.add(i)
-                    for pid in [*_descendants(p.pid), p.pid]:  # its worker first: not an orphan
+                    for pid in _descendants(p.pid):  # its worker first: not an orphan
                         _kill(pid)
+                    _kill(p.pid, signal.SIGTERM)
     for p in procs:
         p.join()
 
@@ -248,9 +259,9 @@ def _descendants(pid: int) -> list[int]:
     return out[::-1]
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int, signum: int = signal.SIGKILL) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signum)
     except ProcessLookupError:
         pass
 
