@@ -60,6 +60,11 @@ def _servers(done) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((Path(done.run.dir) / "ps").glob("server*.json"))]
 
 
+def _resumed_from(world: Path) -> list[str]:
+    """Where each restart of a replica-mode world said it resumes from (its restarts.jsonl)."""
+    return [json.loads(line)["resume_from"] for line in (world / "logs" / "restarts.jsonl").read_text().splitlines()]
+
+
 def test_async_one_worker_is_sequential_training(token_dir, tmp_path):
     """Bit for bit: one thread on both sides, since a CPU kernel's summation order (so its
     rounding) depends on the thread count."""
@@ -352,6 +357,8 @@ def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
     assert sum(t > lost[1] for t in pushes[0]) >= steps - 4  # worker 0 went on without worker 1
     assert len(pushes[0]) == len(pushes[1]) == steps and sum(t > rejoined for t in pushes[1]) == steps - 2
     assert stats["updates"] == stats["pushes"] == 2 * steps
+    # its restart record names the checkpoint it resumed from, its group's (not its log directory's)
+    assert _resumed_from(run_dir / "replicas" / "group-1" / "ps-worker") == ["checkpoint step 2"]
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
     assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps
 
@@ -376,6 +383,7 @@ def test_killed_server_restarts_alone_and_the_workers_continue(token_dir, tmp_pa
     assert sorted((k, life) for k, life, _, _ in stats["joins"]) == [(0, 1), (1, 1)]  # no worker restarted
     step, version = stats["restored"]
     assert step in (2, 4) and version < 6  # a checkpoint saved before the kill (keep_last pruned it since)
+    assert _resumed_from(run_dir / "ps-servers") == [f"checkpoint step {step}"]  # the one it restored
     assert stats["updates"] == stats["pushes"] > 0 and stats["version"] == version + stats["updates"]
     assert stats["pushes"] <= 2 * steps
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
@@ -400,4 +408,5 @@ def test_worker_killed_mid_push_is_applied_by_no_server_that_missed_part(token_d
     assert [k for k, _ in first["lost"]] == [k for k, _ in second["lost"]] == [1]
     assert first["updates"] == first["pushes"] == 2 * steps + 1
     assert second["updates"] == second["pushes"] == 2 * steps
+    assert _resumed_from(run_dir / "replicas" / "group-1" / "ps-worker") == ["checkpoint step 2"]
     assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps

@@ -46,10 +46,14 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
     for g in range(workers + 1):  # the last group: the servers
         nproc = cfg.ps.servers if g == workers else 1
         group_spec = dataclasses.replace(spec, nproc=nproc, port=0, run_id="")
+        # Its logs and restart record; and where its restart resumes from: a restarted server
+        # restores its shard from the servers' checkpoints (worker.run_ps_server), a worker from
+        # its group's (as in replica mode, checkpoint/heal.py)
         where = run_dir / "ps-servers" if g == workers else group_dir(run_dir, g) / "ps-worker"
+        resume = run_dir / "ps-checkpoints" if g == workers else group_dir(run_dir, g) / "checkpoints"
         procs.append(ctx.Process(target=_group_main, name=f"allhands-ps-{g}",
                                  args=(cfg.to_dict(), job, g, workers + 1, store.port, launch, entry,
-                                       group_spec, policy, where)))
+                                       group_spec, policy, where, resume)))
     start_with_secret(procs, secrets.token_hex(32))
     print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
           f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)
@@ -62,13 +66,14 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
 
 
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
-                entry: Callable, group_spec: Any, policy: Any, where: Path) -> None:
-    """One world (a worker, or the servers): the single-node launcher, its logs under ``where``."""
+                entry: Callable, group_spec: Any, policy: Any, where: Path, resume: Path) -> None:
+    """One world (a worker, or the servers): the single-node launcher, its logs under ``where``,
+    its restarts resuming from the checkpoints in ``resume``."""
     os.environ[PS_ENV] = f"{group},{groups},127.0.0.1,{port}"
     where.mkdir(parents=True, exist_ok=True)
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=Config.from_dict(cfg_dict).run.threads,
-               log_dir=where / "logs", policy=policy, run_dir=where)
+               log_dir=where / "logs", policy=policy, run_dir=where, checkpoints=resume)
     except LaunchError as e:
         print(f"allhands: ps group {group}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
