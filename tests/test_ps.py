@@ -20,6 +20,7 @@ from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.faults import FaultInjector
 from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.launch.policy import RestartPolicy
 from allhands.report import make_report, read_metrics
 from allhands.sync.ps_rows import RowShard, draw_rows
 from allhands.sync.ps_server import due_replies
@@ -329,6 +330,24 @@ def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, t
     (stats,) = _servers(done)
     # every push of the restarted attempt applied, from the step-2 checkpoint (saved synchronously)
     assert stats["pushes"] == stats["updates"] == 2 * (cfg.run.steps - 2)
+
+
+def test_a_world_logging_apart_says_and_records_where_it_resumes(tmp_path):
+    """A replica-mode world logs in a directory of its own (``ps-servers``) but resumes from the
+    servers' checkpoints: its restart line and record name their latest committed step, not its
+    log directory's (which has none); without ``checkpoints`` a job keeps RUN/checkpoints."""
+    run = tmp_path / "run"
+    for step, commit in ((2, True), (4, True), (6, False)):  # step 6: a save cut short, no .metadata
+        (run / "ps-checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+        if commit:
+            (run / "ps-checkpoints" / f"step-{step:08d}" / ".metadata").write_bytes(b"")
+    lines: list[str] = []
+    job = RestartPolicy(max_restarts=1, backoff_s=0).for_job(
+        run / "ps-servers", checkpoints=run / "ps-checkpoints", sleep=lambda s: None, say=lines.append)
+    job.backoff(job.decide("worker rank 0 (pid 1) failed: killed by SIGKILL", progressed=True))
+    assert lines[0].endswith("restart 1/1 from checkpoint step 4 after 0.0 s")
+    assert _resumed_from(run / "ps-servers") == ["checkpoint step 4"]
+    assert RestartPolicy().for_job(run / "ps-servers").resume_from().startswith("the start")
 
 
 def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
