@@ -20,6 +20,7 @@ from allhands.data import GlobalSampler, load_token_splits
 from allhands.data.sampler import collate
 from allhands.faults import FaultInjector
 from allhands.launch.launcher import LaunchSpec, train_job
+from allhands.launch.policy import RestartPolicy
 from allhands.report import make_report, read_metrics
 from allhands.sync.ps_rows import RowShard, draw_rows
 from allhands.sync.ps_server import due_replies
@@ -58,6 +59,11 @@ def test_ps_config_checks(token_dir, tmp_path):
 
 def _servers(done) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((Path(done.run.dir) / "ps").glob("server*.json"))]
+
+
+def _resumed_from(world: Path) -> list[str]:
+    """Where each restart of a replica-mode world said it resumes from (its restarts.jsonl)."""
+    return [json.loads(line)["resume_from"] for line in (world / "logs" / "restarts.jsonl").read_text().splitlines()]
 
 
 def test_async_one_worker_is_sequential_training(token_dir, tmp_path):
@@ -326,6 +332,24 @@ def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, t
     assert stats["pushes"] == stats["updates"] == 2 * (cfg.run.steps - 2)
 
 
+def test_a_world_logging_apart_says_and_records_where_it_resumes(tmp_path):
+    """A replica-mode world logs in a directory of its own (``ps-servers``) but resumes from the
+    servers' checkpoints: its restart line and record name their latest committed step, not its
+    log directory's (which has none); without ``checkpoints`` a job keeps RUN/checkpoints."""
+    run = tmp_path / "run"
+    for step, commit in ((2, True), (4, True), (6, False)):  # step 6: a save cut short, no .metadata
+        (run / "ps-checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+        if commit:
+            (run / "ps-checkpoints" / f"step-{step:08d}" / ".metadata").write_bytes(b"")
+    lines: list[str] = []
+    job = RestartPolicy(max_restarts=1, backoff_s=0).for_job(
+        run / "ps-servers", checkpoints=run / "ps-checkpoints", sleep=lambda s: None, say=lines.append)
+    job.backoff(job.decide("worker rank 0 (pid 1) failed: killed by SIGKILL", progressed=True))
+    assert lines[0].endswith("restart 1/1 from checkpoint step 4 after 0.0 s")
+    assert _resumed_from(run / "ps-servers") == ["checkpoint step 4"]
+    assert RestartPolicy().for_job(run / "ps-servers").resume_from().startswith("the start")
+
+
 def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
     """Replica mode (launch/psgroups.py): SIGKILL of worker 1 in step 3 of 8, ssp with a bound of
     1. Its own agent restarts it alone: the server and worker 0 keep their processes (the one
@@ -352,6 +376,8 @@ def test_killed_async_worker_restarts_alone_and_rejoins(token_dir, tmp_path):
     assert sum(t > lost[1] for t in pushes[0]) >= steps - 4  # worker 0 went on without worker 1
     assert len(pushes[0]) == len(pushes[1]) == steps and sum(t > rejoined for t in pushes[1]) == steps - 2
     assert stats["updates"] == stats["pushes"] == 2 * steps
+    # its restart record names the checkpoint it resumed from, its group's (not its log directory's)
+    assert _resumed_from(run_dir / "replicas" / "group-1" / "ps-worker") == ["checkpoint step 2"]
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
     assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps
 
@@ -376,6 +402,7 @@ def test_killed_server_restarts_alone_and_the_workers_continue(token_dir, tmp_pa
     assert sorted((k, life) for k, life, _, _ in stats["joins"]) == [(0, 1), (1, 1)]  # no worker restarted
     step, version = stats["restored"]
     assert step in (2, 4) and version < 6  # a checkpoint saved before the kill (keep_last pruned it since)
+    assert _resumed_from(run_dir / "ps-servers") == [f"checkpoint step {step}"]  # the one it restored
     assert stats["updates"] == stats["pushes"] > 0 and stats["version"] == version + stats["updates"]
     assert stats["pushes"] <= 2 * steps
     assert [s for s, _ in committed(run_dir / "checkpoints")][-1] == steps
@@ -400,4 +427,5 @@ def test_worker_killed_mid_push_is_applied_by_no_server_that_missed_part(token_d
     assert [k for k, _ in first["lost"]] == [k for k, _ in second["lost"]] == [1]
     assert first["updates"] == first["pushes"] == 2 * steps + 1
     assert second["updates"] == second["pushes"] == 2 * steps
+    assert _resumed_from(run_dir / "replicas" / "group-1" / "ps-worker") == ["checkpoint step 2"]
     assert [s for s, _ in committed(run_dir / "replicas" / "group-1" / "checkpoints")][-1] == steps

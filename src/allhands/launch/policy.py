@@ -137,12 +137,16 @@ class JobRestarts:
 
     ``run_dir`` None: a script launched by ``allhands launch`` owns its run directory, and nothing
     is recorded. ``node``: the agent's label of this node in a multi-node job; it goes into the
-    records, and the lines say that all nodes re-rendezvous and how to continue after a stop."""
+    records, and the lines say that all nodes re-rendezvous and how to continue after a stop.
+    ``checkpoints``: where the next attempt resumes from, when not ``run_dir/checkpoints`` (a
+    parameter-server world in replica mode logs in a directory of its own but resumes from the
+    servers' or its worker group's checkpoints, launch/psgroups.py)."""
 
     def __init__(self, policy: RestartPolicy, run_dir: Path | None, node: str | None = None, *,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 say: Callable[[str], None] = say):
+                 say: Callable[[str], None] = say, checkpoints: Path | None = None):
         self.policy, self.run_dir, self.node = policy, run_dir, node
+        self.checkpoints = checkpoints or (run_dir / "checkpoints" if run_dir is not None else None)
         self.clock, self.sleep, self.say = clock, sleep, say
         # restarts: counted against max_restarts; flakes: retries since the last restart;
         # stalled: restarts in a row whose attempt completed no step (the backoff's exponent).
@@ -229,7 +233,7 @@ class JobRestarts:
         """Where the next attempt starts, in words (``allhands drill`` reads the step back)."""
         if self.run_dir is None:
             return "the script's last committed checkpoint"
-        found = committed(self.run_dir / "checkpoints")
+        found = committed(self.checkpoints)
         return f"checkpoint step {found[-1][0]}" if found else "the start (no committed checkpoint yet)"
 
     def record(self, d: Decision, **extra) -> None:

@@ -27,6 +27,7 @@ from allhands.checkpoint.heal import group_dir
 from allhands.config import Config
 from allhands.env import PS_ENV
 from allhands.errors import ConfigError, LaunchError
+from allhands.launch import forkstart
 from allhands.launch.replicas import start_with_secret
 
 
@@ -41,15 +42,25 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
     run_dir = Path(cfg.run.dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    ctx = mp.get_context("spawn")
+    # Each world's launcher forked from this launcher's preloaded forkserver (forkstart.py), with
+    # this launcher's environment, as its workers are: a spawned one imported torch and the
+    # launcher first, the start-up that dominated a short job on a loaded host.
+    method = forkstart.ensure_server()
+    ctx = mp.get_context(method)
     procs = []
     for g in range(workers + 1):  # the last group: the servers
         nproc = cfg.ps.servers if g == workers else 1
         group_spec = dataclasses.replace(spec, nproc=nproc, port=0, run_id="")
+        # Its logs and restart record; and where its restart resumes from: a restarted server
+        # restores its shard from the servers' checkpoints (worker.run_ps_server), a worker from
+        # its group's (as in replica mode, checkpoint/heal.py)
         where = run_dir / "ps-servers" if g == workers else group_dir(run_dir, g) / "ps-worker"
-        procs.append(ctx.Process(target=_group_main, name=f"allhands-ps-{g}",
-                                 args=(cfg.to_dict(), job, g, workers + 1, store.port, launch, entry,
-                                       group_spec, policy, where)))
+        resume = run_dir / "ps-checkpoints" if g == workers else group_dir(run_dir, g) / "checkpoints"
+        args = (cfg.to_dict(), job, g, workers + 1, store.port, launch, entry, group_spec, policy,
+                where, resume)
+        procs.append(ctx.Process(target=forkstart.forked if method == "forkserver" else _group_main,
+                                 name=f"allhands-ps-{g}",
+                                 args=(forkstart.Inherited(), _group_main, *args) if method == "forkserver" else args))
     start_with_secret(procs, secrets.token_hex(32))
     print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
           f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)
@@ -62,13 +73,14 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
 
 
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,
-                entry: Callable, group_spec: Any, policy: Any, where: Path) -> None:
-    """One world (a worker, or the servers): the single-node launcher, its logs under ``where``."""
+                entry: Callable, group_spec: Any, policy: Any, where: Path, resume: Path) -> None:
+    """One world (a worker, or the servers): the single-node launcher, its logs under ``where``,
+    its restarts resuming from the checkpoints in ``resume``."""
     os.environ[PS_ENV] = f"{group},{groups},127.0.0.1,{port}"
     where.mkdir(parents=True, exist_ok=True)
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=Config.from_dict(cfg_dict).run.threads,
-               log_dir=where / "logs", policy=policy, run_dir=where)
+               log_dir=where / "logs", policy=policy, run_dir=where, checkpoints=resume)
     except LaunchError as e:
         print(f"allhands: ps group {group}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
