@@ -58,9 +58,11 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         resume = run_dir / "ps-checkpoints" if g == workers else group_dir(run_dir, g) / "checkpoints"
         args = (cfg.to_dict(), job, g, workers + 1, store.port, launch, entry, group_spec, policy,
                 where, resume)
-        procs.append(ctx.Process(target=forkstart.forked if method == "forkserver" else _group_main,
-                                 name=f"allhands-ps-{g}",
-                                 args=(forkstart.Inherited(), _group_main, *args) if method == "forkserver" else args))
+        if method == "forkserver":
+            target, args = forkstart.forked, (forkstart.Inherited(), _group_main, *args)
+        else:
+            target = _group_main
+        procs.append(ctx.Process(target=target, name=f"allhands-ps-{g}", args=args))
     start_with_secret(procs, secrets.token_hex(32))
     print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
           f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)

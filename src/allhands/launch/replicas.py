@@ -122,25 +122,22 @@ def _join(procs: list, store: dist.Store, watcher: "Watcher") -> None:
     still restarting a worker (its start takes seconds) has nothing left to do: it is ended, its
     worker killed and the slot stopped like a launcher in its backoff (SIGTERM, so the failure
     it was restarting from still reaches its restarts.jsonl), or killed after CUT_SHORT_S."""
-    deadline = None
     while any(p.is_alive() for p in procs):
         time.sleep(0.1)
-        if deadline is not None:
-            if time.monotonic() > deadline:
-                for i in watcher.cut_short:
-                    _kill(procs[i].pid)
+        if not store.check(["done"]) or not {holder(store, g) for g in range(watcher.n)} <= watcher.dead:
             continue
-        if not store.check(["done"]):
-            continue
-        holders = {holder(store, g) for g in range(watcher.n)}
-        if holders <= watcher.dead:
-            deadline = time.monotonic() + CUT_SHORT_S
-            for i, p in enumerate(procs):
-                if p.is_alive():
-                    watcher.cut_short.add(i)
-                    for pid in _descendants(p.pid):  # its worker first: not an orphan
-                        _kill(pid)
-                    _kill(p.pid, signal.SIGTERM)
+        for i, p in enumerate(procs):
+            if p.is_alive():
+                watcher.cut_short.add(i)
+                for pid in _descendants(p.pid):  # its worker first: not an orphan
+                    _kill(pid)
+                _kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + CUT_SHORT_S
+        for i in watcher.cut_short:
+            procs[i].join(max(0.0, deadline - time.monotonic()))
+            if procs[i].is_alive():  # never a reaped pid, which may be another process's by now
+                _kill(procs[i].pid)
+        break
     for p in procs:
         p.join()
 
