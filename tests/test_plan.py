@@ -111,16 +111,20 @@ def test_local_step_is_composed_from_the_calibration():
 
 
 def test_a_calibration_made_with_another_statistic_is_measured_again(tmp_path, monkeypatch):
-    """The cache keeps the statistic its figures were taken with (the fastest repetition); one
-    made before, with medians that other processes' load inflated, is not used."""
-    from allhands.plan.localtime import STATISTIC, cached_calibration, calibration_key
+    """The cache keeps the statistic its figures were taken with (the fastest repetition) and the
+    kernels timed apart from the eager cost per block; one made before, with medians that other
+    processes' load inflated or with attention, GELU and norms inside that cost, is not used."""
+    from allhands.plan.localtime import KERNELS, STATISTIC, cached_calibration, calibration_key
 
     monkeypatch.setenv("ALLHANDS_CACHE_DIR", str(tmp_path))
     cal = _calibration()
     (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
     assert cached_calibration(2) is None
     (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): {**cal, "statistic": STATISTIC}}))
-    assert cached_calibration(2) == {**cal, "statistic": STATISTIC}
+    assert cached_calibration(2) is None  # its per-block cost still holds the kernels now timed apart
+    cal.update(statistic=STATISTIC, kernels=KERNELS)
+    (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
+    assert cached_calibration(2) == cal
 
 
 def test_software_terms_of_published_runs_add_what_they_say():
