@@ -202,3 +202,20 @@ def test_partial_gradients_cost_their_measured_update_and_all_reduces():
     per_call = c.latency + _ring("allreduce", 4.0 * cfg.model.n_embd, 2) / _bw(c, tp2, "tp")
     assert with_sp["optimizer"] - without["optimizer"] == pytest.approx(PARTIAL_REDUCES * 5 * per_call)
     assert with_sp["step"] - without["step"] == pytest.approx(PARTIAL_REDUCES * 5 * per_call)
+
+
+def test_check_notes_steps_too_short_to_time():
+    """format_check names the layouts whose fastest step is under SHORT_STEP (mostly scheduler
+    noise on a loaded CPU) in one line, and adds nothing when every step is long enough."""
+    from allhands.plan.check import SHORT_STEP, Checked, format_check
+
+    cfg, c = _config(*TINY, "model.vocab_size=257"), parse_cluster("a100:1")
+    dp, tp = (estimate(cfg, layout, c, False) for layout in (Layout(2, 1, 1, 1, 0), Layout(1, 1, 2, 1, 0)))
+
+    def checked(est, seconds):
+        return Checked(est, [1e6, 1e6], 2e6, "rss", seconds, seconds)
+
+    out = format_check([checked(dp, SHORT_STEP / 3), checked(tp, 2 * SHORT_STEP)])
+    note = [x for x in out.splitlines() if x.startswith("note:")]
+    assert len(note) == 1 and dp.layout.name() in note[0] and tp.layout.name() not in note[0]
+    assert "note:" not in format_check([checked(tp, 2 * SHORT_STEP)])
