@@ -2,7 +2,7 @@
 
 1. This machine. ``plan --check`` on a small reference GPT (``CHECKED``: tests/conftest.py's TINY
    made 4 blocks of width 128 over 64 tokens, 0.8M parameters) with 2 workers, so that the
-   fastest layout's step (about 50 ms) is mostly compute and communication: steps of 5-15 ms, as
+   fastest layout's step (60-80 ms here) is mostly compute and communication: steps of 5-15 ms, as
    TINY's, are mostly the scheduler's noise on a shared 2-core machine. Every layout that fits is trained ``--steps`` steps through the launcher, ``--repeat``
    times, and its predicted peak memory and step time (``--cluster local``: composed from the
    machine's cached calibration, plan/calibrate.py, never from a measured step of the layout) are
