@@ -111,16 +111,20 @@ def test_local_step_is_composed_from_the_calibration():
 
 
 def test_a_calibration_made_with_another_statistic_is_measured_again(tmp_path, monkeypatch):
-    """The cache keeps the statistic its figures were taken with (the fastest repetition); one
-    made before, with medians that other processes' load inflated, is not used."""
-    from allhands.plan.localtime import STATISTIC, cached_calibration, calibration_key
+    """The cache keeps the statistic its figures were taken with (the fastest repetition) and the
+    kernels timed apart from the eager cost per block; one made before, with medians that other
+    processes' load inflated or with attention, GELU and norms inside that cost, is not used."""
+    from allhands.plan.localtime import KERNELS, STATISTIC, cached_calibration, calibration_key
 
     monkeypatch.setenv("ALLHANDS_CACHE_DIR", str(tmp_path))
     cal = _calibration()
     (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
     assert cached_calibration(2) is None
     (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): {**cal, "statistic": STATISTIC}}))
-    assert cached_calibration(2) == {**cal, "statistic": STATISTIC}
+    assert cached_calibration(2) is None  # its per-block cost still holds the kernels now timed apart
+    cal.update(statistic=STATISTIC, kernels=KERNELS)
+    (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
+    assert cached_calibration(2) == cal
 
 
 def test_software_terms_of_published_runs_add_what_they_say():
@@ -198,3 +202,20 @@ def test_partial_gradients_cost_their_measured_update_and_all_reduces():
     per_call = c.latency + _ring("allreduce", 4.0 * cfg.model.n_embd, 2) / _bw(c, tp2, "tp")
     assert with_sp["optimizer"] - without["optimizer"] == pytest.approx(PARTIAL_REDUCES * 5 * per_call)
     assert with_sp["step"] - without["step"] == pytest.approx(PARTIAL_REDUCES * 5 * per_call)
+
+
+def test_check_notes_steps_too_short_to_time():
+    """format_check names the layouts whose fastest step is under SHORT_STEP (mostly scheduler
+    noise on a loaded CPU) in one line, and adds nothing when every step is long enough."""
+    from allhands.plan.check import SHORT_STEP, Checked, format_check
+
+    cfg, c = _config(*TINY, "model.vocab_size=257"), parse_cluster("a100:1")
+    dp, tp = (estimate(cfg, layout, c, False) for layout in (Layout(2, 1, 1, 1, 0), Layout(1, 1, 2, 1, 0)))
+
+    def checked(est, seconds):
+        return Checked(est, [1e6, 1e6], 2e6, "rss", seconds, seconds)
+
+    out = format_check([checked(dp, SHORT_STEP / 3), checked(tp, 2 * SHORT_STEP)])
+    note = [x for x in out.splitlines() if x.startswith("note:")]
+    assert len(note) == 1 and dp.layout.name() in note[0] and tp.layout.name() not in note[0]
+    assert "note:" not in format_check([checked(tp, 2 * SHORT_STEP)])

@@ -19,8 +19,8 @@ jobs, other processes only ever add time to a repetition (a descheduled rank sta
 collectives for a whole time slice), so the minimum estimates the cost itself and is the one
 statistic that repeats from run to run (timeit's advice); plan.check measures the best step alike.
 - Three 1-process training runs of the reference GPT at different depth and width, through the
-  real launcher: what a step costs beyond its matmuls (the GEMM time is modelled from the measured
-  rate at each shape, localtime.py), fitted as ``fixed + per_block * blocks + per_param * params``
+  real launcher: what a step costs beyond its kernels (matmuls, attention, GELU, norms: timed at
+  each shape, localtime.kernel_seconds), fitted as ``fixed + per_block * blocks + per_param * params``
   (eager ops per block; the optimizer and the gradient clipping per parameter); and the worker's
   resident set beyond its tensors (interpreter, torch, gloo), the ``runtime`` of every worker.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from allhands.plan.localtime import STATISTIC, cached_calibration, calibration_key, calibration_path
+from allhands.plan.localtime import KERNELS, STATISTIC, cached_calibration, calibration_key, calibration_path
 
 SIZES = (64, 2 ** 18)  # float32 elements: latency-bound and bandwidth-bound payloads
 REPS = 40
@@ -311,15 +311,15 @@ def _step_configs(threads: int) -> list:
 
 def probe_step_costs(nproc: int) -> dict:
     """Eager ops per block and the update per parameter, from the reference GPTs timed in this
-    process (the fastest of many: robust to load) less their modelled matmuls."""
-    from allhands.plan.localtime import gemm_seconds
+    process (the fastest of many: robust to load) less their modelled kernels."""
+    from allhands.plan.localtime import kernel_seconds
 
     threads = max(1, (os.cpu_count() or 1) // nproc)  # as each of the nproc workers will run
     cfgs = _step_configs(threads)
     costs = [_gpt_costs(n_layer, n_embd, threads) for n_layer, n_embd in STEP_RUNS]
-    gemm = [gemm_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads) for cfg in cfgs]
+    kern = [kernel_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads) for cfg in cfgs]
     (p2, u2, n2), (p4, _, _), (_, u128, n128) = costs
-    return {"step_per_block": max(0.0, ((p4 - gemm[1]) - (p2 - gemm[0])) / 2),
+    return {"step_per_block": max(0.0, ((p4 - kern[1]) - (p2 - kern[0])) / 2),
             "step_per_param": max(0.0, (u128 - u2) / (n128 - n2))}
 
 
@@ -330,7 +330,7 @@ def probe_steps(nproc: int, steps: int = 8) -> dict:
     from allhands.plan.check import run_layout
     from allhands.plan.cluster import local_cluster
     from allhands.plan.estimate import Layout, estimate
-    from allhands.plan.localtime import gemm_seconds
+    from allhands.plan.localtime import kernel_seconds
 
     threads = max(1, (os.cpu_count() or 1) // nproc)
     got_costs = probe_step_costs(nproc)
@@ -343,8 +343,8 @@ def probe_steps(nproc: int, steps: int = 8) -> dict:
             est = estimate(cfg, Layout(1, 1, 1, 1, 0), cluster, False)
             got = run_layout(cfg, est, 1, Path(tmp) / f"run-{i}", steps)  # its best step, as check's
             numel = sum(est.state_rank) / 16  # fp32 parameters + gradients + two AdamW moments
-            gemm = gemm_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads)
-            residual.append(got.step_time - gemm - per_block * cfg.model.n_layer - per_param * numel)
+            kern = kernel_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads)
+            residual.append(got.step_time - kern - per_block * cfg.model.n_layer - per_param * numel)
             runtime.append(got.peak - (est.memory["total"] - est.memory["buffers"]))
     return {"step_fixed": max(0.0, min(residual)), "step_per_block": per_block, "step_per_param": per_param,
             "runtime": statistics.median(runtime)}
@@ -363,7 +363,8 @@ def calibrate(nproc: int, *, force: bool = False, probes_only: bool = False) -> 
     steps = ({**kept, **probe_step_costs(nproc)} if kept else probe_steps(nproc))
     result = {**probe_comm(max(2, nproc)), "step_fixed": steps["step_fixed"],
               "step_per_block": steps["step_per_block"], "step_per_param": steps["step_per_param"],
-              "runtime": steps["runtime"], "measured_at": time.time(), "statistic": STATISTIC}
+              "runtime": steps["runtime"], "measured_at": time.time(), "statistic": STATISTIC,
+              "kernels": KERNELS}
     path = calibration_path()
     try:
         table = json.loads(path.read_text())

@@ -17,6 +17,10 @@ from allhands.plan.cluster import Cluster
 from allhands.plan.estimate import Estimate
 from allhands.plan.search import with_layout
 
+# A step shorter than this is timed mostly by the scheduler on a loaded CPU, not by its compute
+# and communication: a time slice lost by one worker stalls its peer's collectives for as long.
+SHORT_STEP = 0.020
+
 # No evaluation, checkpoint or progress bar: the steps and the memory record only.
 QUIET = ["run.eval_interval=0", "data.eval_batches=0", "checkpoint.interval=0",
          "checkpoint.at_end=false", "log.progress=false", "log.tensorboard=false", "log.interval=1",
@@ -95,4 +99,7 @@ def format_check(rows: list[Checked]) -> str:
         lines.append(f"(peak measured as {rows[0].peak_kind}; state = parameters + gradients + "
                      f"optimizer state after step 1, per rank, the busiest shown; step = the fastest "
                      f"after the first 2, as the calibration times its probes; median beside it)")
+    if short := [c.row()["layout"] for c in rows if c.step_time < SHORT_STEP]:
+        lines.append(f"note: steps under {1e3 * SHORT_STEP:.0f} ms ({', '.join(short)}) are not timed reliably "
+                     f"on a loaded CPU; a larger model or run.global_batch checks their step time")
     return "\n".join(lines)

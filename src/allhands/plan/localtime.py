@@ -4,8 +4,9 @@ measured step of the layout itself.
 
 Per rank and per step (1F1B over ``m`` microbatches, ``a`` accumulation steps):
 
-- compute = a m (GEMM seconds of the busiest stage's forward + backward at the shapes it runs,
-  timed here; small matrices run far below the CPU's peak) + a m blocks ``step_per_block``
+- compute = a m (kernel seconds of the busiest stage's forward + backward at the shapes it runs,
+  timed here: its matmuls, for small matrices far below the CPU's peak, and the kernels whose
+  time grows with the activations, attention, GELU and the norms) + a m blocks ``step_per_block``
   (eager ops: dispatcher, autograd, element-wise kernels), times ``contention`` when several
   workers share the cores, plus TP's measured cost per parallelized module and 1F1B's per
   stage and microbatch (P2P, schedule bookkeeping);
@@ -28,6 +29,7 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
 
 from allhands.config import Config
 from allhands.env import cache_dir
@@ -35,6 +37,7 @@ from allhands.flops import _cpu_name
 
 DDP_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 STATISTIC = "best"  # calibrate.py's estimator; a cache made with another one is measured again
+KERNELS = "mm+attention+gelu+norm"  # what kernel_seconds times; step_per_block is the rest
 
 
 def calibration_key(nproc: int) -> str:
@@ -54,7 +57,7 @@ def cached_calibration(nproc: int) -> dict | None:
         got = json.loads(calibration_path().read_text()).get(calibration_key(nproc))
     except (OSError, ValueError):
         return None
-    return got if got and got.get("statistic") == STATISTIC and "partial_grad_tensor" in got else None
+    return got if got and got.get("statistic") == STATISTIC and got.get("kernels") == KERNELS else None
 
 
 PARTIAL_REDUCES = 4  # all-reduces of each Partial gradient a step (partial_grad_tensors)
@@ -100,19 +103,48 @@ def _train_mm(m: int, k: int, n: int, threads: int, count: int = 1) -> float:
                     + _mm_seconds(k, m, n, threads))
 
 
-def gemm_seconds(cfg: Config, samples: float, tp: int, blocks: int, head: bool, threads: int = 0) -> float:
-    """Matmul seconds of one forward + backward of ``blocks`` reference-GPT blocks (and the
-    vocabulary head when ``head``) over ``samples`` sequences, sharded ``tp`` ways, at the
-    measured rate of each shape; attention as batched (T, d) x (d, T) and (T, T) x (T, d)."""
+@functools.lru_cache(maxsize=None)
+def _op_seconds(op: str, shape: tuple[int, ...], threads: int) -> float:
+    """Seconds of a forward + backward of ``op`` (the reference GPT's causal attention over
+    (B, heads, T, d) queries, keys and values; its GELU; a LayerNorm over the last dim) on
+    ``threads`` threads: the fastest of many. On a CPU these run far slower per FLOP than a matmul
+    (flash attention's CPU kernel recomputes its scores in backward; GELU evaluates erf), so the
+    eager cost per block measured at the calibration's tiny shapes misses them at larger ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = [torch.randn(shape, requires_grad=True) for _ in range(3 if op == "attention" else 1)]
+        fn = {"attention": lambda: F.scaled_dot_product_attention(*x, is_causal=True),
+              "gelu": lambda: F.gelu(x[0]),
+              "layernorm": lambda: F.layer_norm(x[0], shape[-1:])}[op]
+        grad = torch.ones(shape)
+        reps = max(5, min(100, int(4e6 / max(1, math.prod(shape)))))
+        times = []
+        for i in range(reps + 3):
+            t0 = time.perf_counter()
+            fn().backward(grad)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return min(times)
+    finally:
+        torch.set_num_threads(before)
+
+
+def kernel_seconds(cfg: Config, samples: float, tp: int, blocks: int, head: bool, threads: int = 0) -> float:
+    """Seconds of one forward + backward of ``blocks`` reference-GPT blocks (and the vocabulary
+    head when ``head``) over ``samples`` sequences, sharded ``tp`` ways, in their matmuls and the
+    kernels that scale with the activations (attention, GELU, two norms; _op_seconds), each timed
+    at its own shape."""
     m = cfg.model
     threads = threads or max(1, torch.get_num_threads())
     c, t, v = m.n_embd, m.seq_len, m.vocab_size or 257
     rows = max(1, int(samples * t))
-    heads = max(1, m.n_head // tp) * max(1, int(samples))
-    hd = c // m.n_head
+    norm_rows = max(1, rows // tp) if tp > 1 and cfg.parallel.tp_sequence_parallel else rows
     block = (_train_mm(rows, c, 3 * c // tp, threads) + _train_mm(rows, c // tp, c, threads)
              + _train_mm(rows, c, 4 * c // tp, threads) + _train_mm(rows, 4 * c // tp, c, threads)
-             + _train_mm(t, hd, t, threads, heads) + _train_mm(t, t, hd, threads, heads))
+             + _op_seconds("attention", (max(1, int(samples)), max(1, m.n_head // tp), t, c // m.n_head), threads)
+             + _op_seconds("gelu", (rows, 4 * c // tp), threads)
+             + 2 * _op_seconds("layernorm", (norm_rows, c), threads))
     return blocks * block + (_train_mm(rows, c, v // tp, threads) if head else 0.0)
 
 
@@ -132,7 +164,7 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
     tok_bytes = mb * mdl.seq_len * mdl.n_embd * 4.0
     stage_t = []
     for s in range(pp):
-        t_mb = gemm_seconds(cfg, mb, tp, blocks[s], s == pp - 1, threads) + cal["step_per_block"] * blocks[s]
+        t_mb = kernel_seconds(cfg, mb, tp, blocks[s], s == pp - 1, threads) + cal["step_per_block"] * blocks[s]
         t_mb *= cal["contention"] if layout.world > 1 else 1.0
         if pp > 1:  # the schedule's own cost per microbatch (P2P, stage bookkeeping)
             t_mb += cal["pp_microbatch"]
