@@ -21,6 +21,16 @@
      part's actual peak lies between the SXM's (989) and the NVL's (835 TFLOP/s), and the MFU it
      gives (33-39%) is taken against 989. Planned with ``hbm_gbs=2400`` and, as the upper bound
      of the MFU, the SXM's 989; the NVL's 835 gives the lower.
+   - torchtitan, ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, the same 500 W parts:
+     the vanilla-TP bf16 rows, Llama 3 8B on 64 H100 (FSDP 8, TP 8, compile, per-op selective AC,
+     local batch 12: 4,378 tokens/s per GPU) and Llama 3 70B on 256 H100 (FSDP 32, TP 8, compile,
+     full AC, local batch 16: 597.3); planned as the rows above.
+   - llm-foundry, ``scripts/train/benchmarking/README.md`` (mosaicml/llm-foundry 061f2c7), table
+     "H100 80GB BF16": all 52 rows, MPT 760M-70B (the reference GPT's shape; each row's NumParams
+     is the planner's count, tests/test_plan_published.py), sequence 512-65,536, on 8-64 H100,
+     Composer FSDP FULL_SHARD, amp_bf16, flash attention, their micro batch, accumulation and
+     activation checkpointing; tokens/s per GPU as printed. Its interconnect is not stated: planned
+     on the h100 preset (8 GPUs and one 400 Gb/s port each a node).
    - torchtitan, docs/performance.md (2024): Llama 3 8B, FSDP2 on 64 A100 80 GB, local batch 1,
      selective layer / op AC: 2,904 / 2,973 tokens/s per GPU, MFU 56.8% / 58.2%.
    - Megatron-LM, Narayanan et al. SC'21 (arXiv 2104.04473) Table 1: GPT 1.7B-1T on 32-3072
@@ -61,27 +71,76 @@ from allhands.plan.calibrate import calibrate, recalibrated  # noqa: E402
 from allhands.plan.check import check  # noqa: E402
 from conftest import TINY  # noqa: E402
 
-LLAMA3_8B = ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", "model.seq_len=8192",
-             "model.vocab_size=128256", "model.bias=false", "model.tie_embeddings=false",
-             "run.precision=bf16"]
-# torchtitan's FLOPs per token of Llama 3(.1) 8B: 6 x 7.50e9 non-embedding parameters (8.03e9
-# less the 128256 x 4096 embedding) + 12 x 32 layers x 32 heads x 128 head dim x 8192 tokens.
-LLAMA3_8B_FLOPS = 6 * (8.03e9 - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
+LLAMA3 = ["model.seq_len=8192", "model.vocab_size=128256", "model.bias=false",
+          "model.tie_embeddings=false", "run.precision=bf16"]
+# torchtitan's FLOPs per token of Llama 3(.1): 6 x the non-embedding parameters (8.03e9 / 70.55e9
+# less the 128256 x C embedding) + 12 x layers x heads x 128 head dim x 8192 tokens.
+LLAMA3_FLOPS = {"8b": 6 * (8.03e9 - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192,
+                "70b": 6 * (70.55e9 - 128256 * 8192) + 12 * 80 * 64 * 128 * 8192}
+LLAMA3_CFG = {"8b": ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", *LLAMA3],
+              "70b": ["model.n_layer=80", "model.n_head=64", "model.n_embd=8192", *LLAMA3]}
+# torchtitan's H100s (Grand Teton): 96 GB HBM2e at 2.4 TB/s, 400 Gb/s RDMA a GPU, 500 W limit
+TITAN_H100 = "h100:{},hbm_gbs=2400,mem_gb=96"
 
-# (name, source, cluster spec, GPUs, local batch, ac, compile, published tokens/s per GPU)
+# (name, source, cluster spec, model, GPUs, tp, local batch, ac, compile, published tokens/s per GPU)
 PUBLISHED = [
-    ("Llama 3.1 8B FSDP, 8 H100", "torchtitan llama3_h100_202412 Table 1", "h100:1,hbm_gbs=2400", 8, 2, "selective", False, 5762),
-    ("  + torch.compile", "torchtitan llama3_h100_202412 Table 1", "h100:1,hbm_gbs=2400", 8, 2, "selective", True, 6667),
-    ("Llama 3.1 8B FSDP, 128 H100", "torchtitan llama3_h100_202412 Table 3", "h100:16,hbm_gbs=2400", 128, 2, "selective", False, 5605),
-    ("  + torch.compile", "torchtitan llama3_h100_202412 Table 3", "h100:16,hbm_gbs=2400", 128, 2, "selective", True, 6514),
-    ("Llama 3 8B FSDP2, 64 A100 (sel. layer)", "torchtitan docs/performance.md 2024", "a100:8", 64, 1, "selective", False, 2904),
-    ("Llama 3 8B FSDP2, 64 A100 (sel. op)", "torchtitan docs/performance.md 2024", "a100:8", 64, 1, "selective", False, 2973),
+    ("Llama 3.1 8B FSDP, 8 H100", "torchtitan llama3_h100_202412 Table 1", TITAN_H100.format(1), "8b", 8, 1, 2, "selective", False, 5762),
+    ("  + torch.compile", "torchtitan llama3_h100_202412 Table 1", TITAN_H100.format(1), "8b", 8, 1, 2, "selective", True, 6667),
+    ("Llama 3.1 8B FSDP, 128 H100", "torchtitan llama3_h100_202412 Table 3", TITAN_H100.format(16), "8b", 128, 1, 2, "selective", False, 5605),
+    ("  + torch.compile", "torchtitan llama3_h100_202412 Table 3", TITAN_H100.format(16), "8b", 128, 1, 2, "selective", True, 6514),
+    ("Llama 3 8B FSDP8 TP8, 64 H100", "torchtitan asyncTP_llama3_h100_2025-06 (vanilla TP, bf16)", TITAN_H100.format(8), "8b", 64, 8, 12, "selective", True, 4378),
+    ("Llama 3 70B FSDP32 TP8, 256 H100", "torchtitan asyncTP_llama3_h100_2025-06 (vanilla TP, bf16)", TITAN_H100.format(32), "70b", 256, 8, 16, "block", True, 597.3),
+    ("Llama 3 8B FSDP2, 64 A100 (sel. layer)", "torchtitan docs/performance.md 2024", "a100:8", "8b", 64, 1, 1, "selective", False, 2904),
+    ("Llama 3 8B FSDP2, 64 A100 (sel. op)", "torchtitan docs/performance.md 2024", "a100:8", "8b", 64, 1, 1, "selective", False, 2973),
 ]
 # plan --check's model: TINY's layouts (pp=2 over 4 blocks, tp=2 over 4 heads, 16 sequences in 4
 # microbatches) with steps long enough to time
 CHECKED = [*TINY, "model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.seq_len=64",
            "run.global_batch=16"]
 NVL_PEAK = 835e12  # H100 NVL dense bf16, the lower end of the peak torchtitan's footnote gives
+
+# llm-foundry scripts/train/benchmarking/README.md (mosaicml/llm-foundry 061f2c7), "H100 80GB
+# BF16": MPT models (the reference GPT: learned positions, biases, LayerNorm, tied embeddings,
+# vocabulary 50,368; each row's NumParams equals the planner's count), Composer FSDP FULL_SHARD,
+# amp_bf16, flash attention, 8 GPUs a node. (model, sequence, GPUs, micro batch, accumulation,
+# activation checkpointing, published tokens/s per GPU, published NumParams)
+MPT = {"70b": (80, 8192, 64), "30b": (48, 7168, 64), "13b": (40, 5120, 40), "7b": (32, 4096, 32),
+       "3b": (32, 2560, 20), "1b": (24, 2048, 16), "760m": (24, 1536, 12)}  # layers, width, heads
+MPT_H100 = [("70b", 2048, 64, 8, 4, True, 1039, 64862437376), ("70b", 2048, 32, 2, 16, True, 882, 64862437376),
+            ("30b", 8192, 8, 1, 21, True, 1384, 30019254272), ("30b", 4096, 8, 1, 21, True, 1802, 29989894144),
+            ("30b", 2048, 32, 14, 3, True, 2308, 29975214080),
+            ("30b", 2048, 16, 10, 3, True, 2263, 29975214080),
+            ("30b", 2048, 8, 3, 21, True, 2002, 29975214080), ("30b", 1024, 8, 6, 21, True, 2084, 29967874048),
+            ("13b", 32768, 8, 1, 3, True, 1976, 13011240960), ("13b", 16384, 8, 3, 3, True, 2985, 12927354880),
+            ("13b", 4096, 8, 10, 3, True, 4717, 12864440320),
+            ("13b", 2048, 64, 2, 1, False, 4800, 12853954560),
+            ("13b", 2048, 32, 2, 1, False, 4811, 12853954560),
+            ("13b", 2048, 16, 2, 1, False, 4767, 12853954560),
+            ("13b", 2048, 8, 2, 1, False, 4792, 12853954560), ("13b", 1024, 8, 40, 3, True, 5502, 12848711680),
+            ("7b", 65536, 8, 1, 2, True, 1956, 6918905856), ("7b", 32768, 8, 2, 2, True, 3318, 6784688128),
+            ("7b", 8192, 8, 8, 2, True, 6935, 6684024832), ("7b", 4096, 8, 16, 2, True, 8611, 6667247616),
+            ("7b", 2048, 8, 6, 1, False, 10643, 6658859008), ("7b", 1024, 8, 64, 2, True, 10203, 6654664704),
+            ("3b", 65536, 8, 1, 2, True, 3262, 2814366720), ("3b", 32768, 8, 3, 6, True, 5873, 2730480640),
+            ("3b", 16384, 8, 1, 6, False, 11152, 2688537600), ("3b", 8192, 8, 3, 6, False, 16578, 2667566080),
+            ("3b", 4096, 8, 5, 6, False, 20964, 2657080320), ("3b", 2048, 64, 6, 3, False, 22525, 2651837440),
+            ("3b", 2048, 32, 6, 3, False, 23021, 2651837440),
+            ("3b", 2048, 16, 10, 3, False, 24142, 2651837440),
+            ("3b", 1024, 8, 20, 6, False, 27046, 2649216000), ("3b", 512, 8, 40, 6, False, 27965, 2647905280),
+            ("1b", 65536, 8, 1, 2, True, 5506, 1445974016), ("1b", 32768, 8, 1, 4, False, 12025, 1378865152),
+            ("1b", 16384, 8, 2, 4, False, 19649, 1345310720), ("1b", 8192, 8, 3, 4, False, 29157, 1328533504),
+            ("1b", 4096, 8, 7, 4, False, 38535, 1320144896), ("1b", 2048, 64, 20, 1, False, 44402, 1315950592),
+            ("1b", 2048, 32, 20, 1, False, 45130, 1315950592),
+            ("1b", 2048, 16, 20, 1, False, 46037, 1315950592),
+            ("1b", 2048, 8, 14, 1, False, 45455, 1315950592), ("1b", 1024, 8, 18, 4, False, 48910, 1313853440),
+            ("1b", 512, 8, 56, 4, False, 52275, 1312804864), ("760m", 32768, 8, 1, 2, False, 16291, 807656448),
+            ("760m", 16384, 8, 3, 2, False, 27815, 782490624),
+            ("760m", 8192, 8, 6, 2, False, 41825, 769907712),
+            ("760m", 4096, 8, 12, 2, False, 55459, 763616256),
+            ("760m", 2048, 32, 24, 1, False, 67971, 760470528),
+            ("760m", 2048, 16, 24, 1, False, 68551, 760470528),
+            ("760m", 2048, 8, 24, 2, False, 63147, 760470528),
+            ("760m", 1024, 8, 48, 2, False, 78581, 758897664),
+            ("760m", 512, 8, 96, 2, False, 83749, 758111232)]
 
 # Narayanan et al. 2021, Table 1: (parameters B, heads, hidden, layers, t, p, GPUs, global batch,
 # published teraFLOP/s per GPU, recomputation included)
@@ -146,17 +205,32 @@ def published() -> list[float]:
     head = f"{'run':<40} {'MFU pred':>13} {'pub':>6} {'ratio':>11}  source"
     print(head + "\n" + "-" * len(head))
     ratios = []
-    for name, source, spec, gpus, local, ac, comp, pub_tps in PUBLISHED:
-        cfg = _config(*LLAMA3_8B, f"run.global_batch={local * gpus}")
+    for name, source, spec, model, gpus, tp, local, ac, comp, pub_tps in PUBLISHED:
+        cfg = _config(*LLAMA3_CFG[model], f"run.global_batch={local * gpus // tp}")
         peak = PEAK_FLOPS["H100" if spec.startswith("h100") else "A100"]["bf16"]
-        layout = Layout(1, gpus, 1, 1, 3, 1, ac, comp)
+        layout = Layout(1, gpus // tp, tp, 1, 3, 1, ac, comp)
         mfu = [estimate(cfg, layout, parse_cluster(spec), True).mfu]
         if spec.startswith("h100"):  # the MFU against 989 of a part whose peak may be 835
             mfu.append(estimate(cfg, layout, parse_cluster(f"{spec},bf16_tflops=835"), True).mfu * NVL_PEAK / peak)
-        pub = pub_tps * LLAMA3_8B_FLOPS / peak
+        pub = pub_tps * LLAMA3_FLOPS[model] / peak
         ratios += [x / pub for x in mfu]
         print(f"{name:<40} {'-'.join(f'{100 * x:.1f}' for x in sorted(mfu)) + '%':>13} {100 * pub:>5.1f}% "
               f"{'-'.join(f'{x / pub:.2f}' for x in sorted(mfu)):>11}  {source}")
+    for model, seq, gpus, micro, accum, ckpt, pub_tps, _ in MPT_H100:
+        layers, width, heads = MPT[model]
+        cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
+                      f"model.seq_len={seq}", "model.vocab_size=50368", "model.bias=true",
+                      "model.tie_embeddings=true", "run.precision=bf16",
+                      f"run.global_batch={micro * accum * gpus}", f"run.micro_batches={accum}")
+        layout = Layout(1, gpus, 1, 1, 3, 1, "block" if ckpt else "none", False)
+        est = estimate(cfg, layout, parse_cluster(f"h100:{gpus // 8}"), True)
+        peak = PEAK_FLOPS["H100"]["bf16"]
+        pub = pub_tps * gpt_flops_per_token(n_layer=layers, n_embd=width, seq_len=seq, vocab_size=50368) / peak
+        ratios.append(est.mfu / pub)
+        label = f"MPT {model} T={seq} mb{micro}x{accum}{' ac' if ckpt else ''}, {gpus} H100"
+        print(f"{label:<40} "
+              f"{100 * est.mfu:>12.1f}% {100 * pub:>5.1f}% {est.mfu / pub:>11.2f}  llm-foundry benchmarking "
+              f"H100 80GB BF16{' [planner: does not fit]' if est.reason else ''}")
     for params, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON:
         d = gpus // (t * p)
         cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
