@@ -110,19 +110,19 @@ def test_local_step_is_composed_from_the_calibration():
 
 
 
-def test_a_calibration_made_with_another_statistic_is_measured_again(tmp_path, monkeypatch):
-    """The cache keeps the statistic its figures were taken with (the fastest repetition) and the
-    kernels timed apart from the eager cost per block; one made before, with medians that other
-    processes' load inflated or with attention, GELU and norms inside that cost, is not used."""
-    from allhands.plan.localtime import KERNELS, STATISTIC, cached_calibration, calibration_key
+def test_a_calibration_made_by_another_method_is_measured_again(tmp_path, monkeypatch):
+    """The cache keeps the method its figures were taken by (the fastest repetition, the kernels
+    timed apart from the eager cost per block, contention in lockstep); one made before, with
+    medians that other processes' load inflated or contention from unsynchronised workers, is
+    not used."""
+    from allhands.plan.localtime import METHOD, cached_calibration, calibration_key
 
     monkeypatch.setenv("ALLHANDS_CACHE_DIR", str(tmp_path))
     cal = _calibration()
-    (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
-    assert cached_calibration(2) is None
-    (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): {**cal, "statistic": STATISTIC}}))
-    assert cached_calibration(2) is None  # its per-block cost still holds the kernels now timed apart
-    cal.update(statistic=STATISTIC, kernels=KERNELS)
+    for old in ({}, {"statistic": "best", "kernels": "mm+attention+gelu+norm"}, {"method": METHOD - 1}):
+        (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): {**cal, **old}}))
+        assert cached_calibration(2) is None
+    cal["method"] = METHOD
     (tmp_path / "local_calibration.json").write_text(json.dumps({calibration_key(2): cal}))
     assert cached_calibration(2) == cal
 
@@ -219,3 +219,14 @@ def test_check_notes_steps_too_short_to_time():
     note = [x for x in out.splitlines() if x.startswith("note:")]
     assert len(note) == 1 and dp.layout.name() in note[0] and tp.layout.name() not in note[0]
     assert "note:" not in format_check([checked(tp, 2 * SHORT_STEP)])
+
+
+def test_a_calibration_takes_each_figure_s_median_over_probe_runs():
+    """A framework's cost is a difference of two minima, so one probe run can land far off (zero,
+    or twice the value): the calibration keeps each figure's median over its probe runs, an
+    alpha-beta pair element by element."""
+    from allhands.plan.calibrate import _median
+
+    runs = [{"ddp_step": 0.0, "allreduce": [1e-4, 3e-9]}, {"ddp_step": 2e-3, "allreduce": [3e-4, 1e-9]},
+            {"ddp_step": 1e-3, "allreduce": [2e-4, 2e-9]}]
+    assert _median(runs) == {"ddp_step": 1e-3, "allreduce": [2e-4, 2e-9]}
