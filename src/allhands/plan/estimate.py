@@ -129,18 +129,29 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 
 def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
-    """Bandwidth of a mesh dim's group: inter-node when its ranks span nodes. Mesh order is
-    (pp, dp_replicate, dp_shard, tp), outermost first: a dim's stride is the product of the inner ones."""
+    """Bandwidth a rank of a mesh dim's group gets. Mesh order is (pp, dp_replicate, dp_shard, tp),
+    outermost first: a dim's stride is the product of the inner ones. Inside a node, the node's
+    links. A group spanning nodes with k members on each node gets min(intra, k x inter): NCCL
+    builds several rings (channels), each entering a node through one NIC, passing the node's GPUs
+    over NVLink and leaving through a NIC, and runs them concurrently on different NICs, so a
+    group's traffic between nodes is spread over the NICs of all its members on a node (NCCL's
+    maintainer S. Jeaugey on nodes with several NICs, in the NVIDIA/nccl discussion "How will NCCL
+    behave when there are multiple NICs on a node?", and on channels and NICs in "Some questions
+    about selecting NET when searching channels"). With one member a node (a stride of a node or
+    more, as HSDP's replicate dim or dp under tp=8) the group has that member's one NIC."""
     sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
              "tp": layout.tp}
+    order = list(sizes)
     if dim == "dp":  # dp_replicate x dp_shard, adjacent in the mesh
-        span = layout.dp * layout.tp
+        size, stride = layout.dp, layout.tp
     else:
-        order = list(sizes)
-        span = sizes[dim]
+        size, stride = sizes[dim], 1
         for d in order[order.index(dim) + 1:]:
-            span *= sizes[d]
-    return cluster.intra_bw if span <= cluster.per_node else cluster.inter_bw
+            stride *= sizes[d]
+    if size * stride <= cluster.per_node:
+        return cluster.intra_bw
+    members = max(1, cluster.per_node // stride)  # of the group on one node
+    return min(cluster.intra_bw, members * cluster.inter_bw)
 
 
 def train_state(layout: Layout, p: float, tensors: int, adam: int) -> dict[str, float]:
