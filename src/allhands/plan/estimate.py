@@ -25,8 +25,12 @@ from allhands.flops import gpt_flops_per_token
 from allhands.plan.cluster import Cluster
 from allhands.plan.localtime import PARTIAL_REDUCES, local_step, partial_grad_tensors
 
-# Values kept per block per token per C (see the docstring), by parallel.ac.
+# Values kept per block per token per C (see the docstring), by parallel.ac. Without recomputation,
+# Korthikanti et al.'s 34 bytes (16-bit activations) include two 1-byte dropout masks (attention
+# output, MLP output): 17 values with dropout; without it (model.dropout=0: ATen's dropout returns
+# its input when p is 0 and stores no mask) the 32 bytes left are 16 values.
 ACT_PER_BLOCK = {"none": 17, "selective": 10, "block": 1}
+DROPOUT_MASK_BYTES = 2
 # Eager ops per block forward+backward and element-wise tensor passes per block (B T C each),
 # and what per-block compile leaves (one fused kernel per chain of element-wise ops).
 OPS_PER_BLOCK = {False: 60, True: 16}
@@ -167,10 +171,11 @@ def train_state(layout: Layout, p: float, tensors: int, adam: int) -> dict[str, 
 
 
 def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units: int, compute: float,
-            bf16: bool, overlap: bool = True) -> tuple[float, float]:
+            bf16: bool, overlap: bool = True, reduce_bf16: bool = False) -> tuple[float, float]:
     """(seconds of data-parallel communication per step, the part of it backward/forward cannot
     hide) for ``pbytes`` of fp32 parameters in ``tensors`` tensors and ``units`` FSDP units;
-    without ``overlap`` the all-reduce runs after backward, all of it exposed."""
+    without ``overlap`` the all-reduce runs after backward, all of it exposed; ``reduce_bf16``:
+    FSDP reduces gradients in bf16 (parallel.reduce_dtype), half the bytes of fp32."""
     n, lat = layout.dp_shard, cluster.latency
     dp_bw = _bw(cluster, layout, "dp_shard" if layout.zero >= 2 else "dp")
     if layout.zero <= 1:
@@ -182,17 +187,27 @@ def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units
         return reduce, exposed
     gather_bytes = pbytes / 2 if bf16 else pbytes
     ag = _ring("allgather", gather_bytes, n) / dp_bw * (2 if layout.zero == 3 else 1)
-    rs = _ring("reducescatter", pbytes, n) / dp_bw
-    hsdp = _ring("allreduce", pbytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
+    grad_bytes = pbytes / 2 if bf16 and reduce_bf16 else pbytes
+    rs = _ring("reducescatter", grad_bytes, n) / dp_bw
+    hsdp = _ring("allreduce", grad_bytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
     reduce = ag + rs + hsdp + lat * units * (3 if layout.zero == 3 else 2)
     return reduce, max(reduce - compute, reduce / units)  # prefetch hides all but about one unit
 
 
+def _act_none(cfg: Config, act_bytes: int) -> float:
+    """Values a block keeps per token per C without recomputation (ACT_PER_BLOCK's note)."""
+    masks = DROPOUT_MASK_BYTES / act_bytes if cfg.model.dropout > 0 else 0.0
+    return ACT_PER_BLOCK["none"] - DROPOUT_MASK_BYTES / 2 + masks
+
+
 def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, attention: str = "fused",
-             overlap_dp: bool = True) -> Estimate:
-    """``attention="materialized"`` and ``overlap_dp=False`` describe other software than allhands
-    (bench/plan.py's published runs): attention computed over a stored T x T score matrix instead
-    of a fused kernel (SDPA, FlashAttention), and DDP's all-reduce after backward, not during it."""
+             overlap_dp: bool = True, loss: str = "fp32") -> Estimate:
+    """``attention="materialized"``, ``overlap_dp=False`` and ``loss="fused"`` describe other
+    software than allhands (bench/plan.py's published runs): attention computed over a stored T x T
+    score matrix instead of a fused kernel (SDPA, FlashAttention); DDP's all-reduce after backward,
+    not during it; a fused cross-entropy kernel that reads the bf16 logits and writes their bf16
+    gradient, with no fp32 copy (flash-attn's ``flash_attn.losses.cross_entropy.CrossEntropyLoss``,
+    which saves the logits and a log-sum-exp per row, llm-foundry's default ``loss_fn``)."""
     m, r = cfg.model, cfg.run
     c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
     est = Estimate(layout)
@@ -208,12 +223,14 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
         state = train_state(layout, p, tensors, adam)
         est.state_rank.append(sum(state.values()))
         in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
-        per_block = ACT_PER_BLOCK[layout.ac] * mb * t * c / tp * act_bytes
+        per_token = _act_none(cfg, act_bytes) if layout.ac == "none" else ACT_PER_BLOCK[layout.ac]
+        per_block = per_token * mb * t * c / tp * act_bytes
         acts = in_flight * blocks[stage] * per_block
         if layout.ac == "block":  # one block's intermediates live again during its recompute
-            acts += ACT_PER_BLOCK["none"] * mb * t * c / tp * act_bytes
-        if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient
-            acts += 3 * mb * t * v * 4
+            acts += _act_none(cfg, act_bytes) * mb * t * c / tp * act_bytes
+        if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient; fused: the
+            # logits and their gradient, both in the activations' dtype
+            acts += 3 * mb * t * v * 4 if loss == "fp32" else 2 * mb * t * v * act_bytes
         block_params = 4.0 * (12 * c * c + 2 * c) / tp * (2 / 4 if bf16 and layout.zero >= 2 else 1)
         gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
                     2: blocks[stage] * block_params, 3: 2 * block_params}[layout.zero]
@@ -246,7 +263,8 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     numel0, tensors0 = stage_params(cfg, pp, tp, 0)
     pbytes = 4.0 * numel0
     lat = cluster.latency
-    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16, overlap_dp)
+    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16, overlap_dp,
+                              cfg.parallel.reduce_dtype == "bf16")
     tp_comm = 0.0
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
         per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat
