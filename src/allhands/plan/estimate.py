@@ -4,15 +4,17 @@ Memory, counted the way allhands measures it (memory.py): training state from th
 each rank holds (tp shards, its pipeline stage's blocks, 1/N under ZeRO; the ZeRO formulas,
 Rajbhandari et al. 2020), plus activations (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models": with SDPA no T x T matrix is stored, so about
-17 B T C values per block without recomputation, 10 with the selective policy, the block input
-with full checkpointing; / tp under sequence parallelism), in-flight pipeline microbatches
-(1F1B: pp - stage), the full parameters FSDP gathers, and the runtime's own bytes.
+17 B T C values per block without recomputation (16 without dropout), 10 with the selective
+policy, the block input with full checkpointing; / tp under sequence parallelism), in-flight
+pipeline microbatches (1F1B: pp - stage), the full parameters FSDP gathers, and the runtime's
+own bytes.
 
 Time: matmul FLOPs at ``gemm_eff`` of peak, element-wise traffic at memory bandwidth, a cost
 per eager op (fewer under compile, which fuses each block), ring collectives
-(all-reduce 2(n-1)/n B, all-gather/reduce-scatter (n-1)/n B) on the link their mesh dim spans,
-the part of data-parallel communication that backward/forward cannot hide, and the 1F1B bubble
-(pp - 1) microbatch times (Narayanan et al. 2021).
+(all-reduce 2(n-1)/n B, all-gather/reduce-scatter (n-1)/n B) on the link their mesh dim spans
+(between nodes, the NICs of the group's members on a node), the part of data-parallel
+communication that backward/forward cannot hide, and the 1F1B bubble (pp - 1) microbatch times
+(Narayanan et al. 2021).
 """
 
 from __future__ import annotations
