@@ -30,7 +30,14 @@
      is the planner's count, tests/test_plan_published.py), sequence 512-65,536, on 8-64 H100,
      Composer FSDP FULL_SHARD, amp_bf16, flash attention, their micro batch, accumulation and
      activation checkpointing; tokens/s per GPU as printed. Its interconnect is not stated: planned
-     on the h100 preset (8 GPUs and one 400 Gb/s port each a node).
+     on the h100 preset (8 GPUs and one 400 Gb/s port each a node). The software as it ran: no
+     dropout (MPT's config defaults) and flash-attn's fused cross-entropy, llm-foundry's default
+     ``loss_fn`` (``loss="fused"``: bf16 logits and gradient, no fp32 copy).
+   - llm-foundry, the same README, table "A100 80GB with 1600 Gbps node-node interconnect (RoCE)":
+     all 61 rows, MPT 125M-70B, the same software; 59 amp_bf16 rows on one node of 8 A100 and the
+     70B on 32 and 64 A100 in Composer's "PURE" FSDP mixed precision (gradients reduced in bf16:
+     ``parallel.reduce_dtype=bf16``), planned on the a100 preset with 8 x 25 GB/s a node between
+     nodes. Beside the H100 table it compares the same software on both parts.
    - torchtitan, docs/performance.md (2024): Llama 3 8B, FSDP2 on 64 A100 80 GB, local batch 1,
      selective layer / op AC: 2,904 / 2,973 tokens/s per GPU, MFU 56.8% / 58.2%.
    - Megatron-LM, Narayanan et al. SC'21 (arXiv 2104.04473) Table 1: GPT 1.7B-1T on 32-3072
@@ -105,7 +112,8 @@ NVL_PEAK = 835e12  # H100 NVL dense bf16, the lower end of the peak torchtitan's
 # amp_bf16, flash attention, 8 GPUs a node. (model, sequence, GPUs, micro batch, accumulation,
 # activation checkpointing, published tokens/s per GPU, published NumParams)
 MPT = {"70b": (80, 8192, 64), "30b": (48, 7168, 64), "13b": (40, 5120, 40), "7b": (32, 4096, 32),
-       "3b": (32, 2560, 20), "1b": (24, 2048, 16), "760m": (24, 1536, 12)}  # layers, width, heads
+       "3b": (32, 2560, 20), "1b": (24, 2048, 16), "760m": (24, 1536, 12), "350m": (24, 1024, 16),
+       "125m": (12, 768, 12)}  # layers, width, heads (scripts/train/yamls/pretrain/mpt-*.yaml)
 MPT_H100 = [("70b", 2048, 64, 8, 4, True, 1039, 64862437376), ("70b", 2048, 32, 2, 16, True, 882, 64862437376),
             ("30b", 8192, 8, 1, 21, True, 1384, 30019254272), ("30b", 4096, 8, 1, 21, True, 1802, 29989894144),
             ("30b", 2048, 32, 14, 3, True, 2308, 29975214080),
@@ -142,6 +150,24 @@ MPT_H100 = [("70b", 2048, 64, 8, 4, True, 1039, 64862437376), ("70b", 2048, 32, 
             ("760m", 1024, 8, 48, 2, False, 78581, 758897664),
             ("760m", 512, 8, 96, 2, False, 83749, 758111232)]
 
+# The same README's "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" table, the same software:
+# every amp_bf16 row (8 GPUs, one node), and the two 70b rows on 32 and 64 GPUs, which ran Composer's
+# "PURE" FSDP mixed precision: parameters, gradient reduction and buffers in bf16 (composer's
+# get_mixed_precision), planned with parallel.reduce_dtype=bf16. 1600 Gb/s a node is 8 x 25 GB/s.
+# per model, all on 8 GPUs: (sequence, micro batch, accumulation, checkpointing, tokens/s per GPU, NumParams)
+MPT_A100_8 = {
+    "30b": [(8192, 1, 21, True, 574, 30019254272), (4096, 1, 21, True, 814, 29989894144), (2048, 3, 21, True, 916, 29975214080), (1024, 6, 21, True, 946, 29967874048), (512, 12, 21, True, 967, 29964204032)],
+    "13b": [(32768, 1, 3, True, 1016, 13011240960), (16384, 3, 3, True, 1431, 12927354880), (8192, 5, 3, True, 1795, 12885411840), (4096, 10, 3, True, 2060, 12864440320), (2048, 2, 3, False, 2262, 12853954560), (1024, 40, 3, True, 2330, 12848711680)],
+    "7b": [(65536, 1, 2, True, 1013, 6918905856), (32768, 2, 2, True, 1672, 6784688128), (16384, 4, 2, True, 2453, 6717579264), (8192, 8, 2, True, 3206, 6684024832), (4096, 16, 2, True, 3684, 6667247616), (2048, 6, 2, False, 4641, 6658859008), (1024, 64, 2, True, 4357, 6654664704)],
+    "3b": [(65536, 1, 2, True, 1767, 2814366720), (32768, 3, 6, True, 3029, 2730480640), (16384, 1, 6, False, 5529, 2688537600), (8192, 3, 6, False, 7695, 2667566080), (4096, 5, 6, False, 9457, 2657080320), (2048, 10, 2, False, 10811, 2651837440), (1024, 20, 6, False, 11580, 2649216000), (512, 40, 6, False, 12127, 2647905280)],
+    "1b": [(65536, 1, 2, True, 3044, 1445974016), (32768, 1, 4, False, 6275, 1378865152), (16384, 2, 4, False, 9956, 1345310720), (8192, 3, 4, False, 13814, 1328533504), (4096, 7, 4, False, 17807, 1320144896), (2048, 14, 4, False, 20513, 1315950592), (1024, 18, 4, False, 22112, 1313853440), (512, 56, 4, False, 23148, 1312804864)],
+    "760m": [(65536, 1, 2, True, 4143, 857988096), (32768, 1, 2, False, 8802, 807656448), (16384, 3, 2, False, 14274, 782490624), (8192, 6, 2, False, 20933, 769907712), (4096, 12, 2, False, 27351, 763616256), (2048, 24, 2, False, 32434, 760470528), (1024, 48, 2, False, 29765, 758897664), (512, 96, 2, False, 29446, 758111232)],
+    "350m": [(65536, 1, 2, False, 7524, 420997120), (32768, 2, 2, False, 13652, 387442688), (16384, 4, 2, False, 23559, 370665472), (8192, 8, 2, False, 36569, 362276864), (4096, 16, 2, False, 49555, 358082560), (2048, 32, 2, False, 58782, 355985408), (1024, 64, 2, False, 64813, 354936832), (512, 128, 2, False, 69330, 354412544)],
+    "125m": [(65536, 1, 2, False, 20368, 174070272), (32768, 2, 2, False, 36407, 148904448), (16384, 4, 2, False, 60040, 136321536), (8192, 8, 2, False, 90392, 130030080), (4096, 16, 2, False, 118396, 126884352), (2048, 40, 2, False, 142830, 125311488), (2048, 32, 2, False, 141737, 125311488), (1024, 64, 2, False, 156468, 124525056), (512, 128, 2, False, 165681, 124131840)]}
+MPT_A100 = [(model, *row[:1], 8, *row[1:]) for model, rows in MPT_A100_8.items() for row in rows]
+MPT_A100_PURE = [("70b", 2048, 64, 8, 4, True, 410, 64862437376),
+                 ("70b", 2048, 32, 2, 16, True, 373, 64862437376)]
+
 # Narayanan et al. 2021, Table 1: (parameters B, heads, hidden, layers, t, p, GPUs, global batch,
 # published teraFLOP/s per GPU, recomputation included)
 MEGATRON = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -156,6 +182,36 @@ def _config(*items: str) -> Config:
     for item in items:
         apply_override(cfg, item)
     return cfg
+
+
+A100_ROCE = "a100:{},inter_gbs=25"  # llm-foundry's A100 nodes: 1600 Gb/s RoCE a node, 8 x 25 GB/s
+
+
+def mpt_config(model: str, seq: int, gpus: int = 8, micro: int = 1, accum: int = 1,
+               pure: bool = False) -> Config:
+    layers, width, heads = MPT[model]
+    return _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
+                   f"model.seq_len={seq}", "model.vocab_size=50368", "model.bias=true",
+                   "model.tie_embeddings=true", "model.dropout=0.0", "run.precision=bf16",
+                   f"run.global_batch={micro * accum * gpus}", f"run.micro_batches={accum}",
+                   f"parallel.reduce_dtype={'bf16' if pure else 'fp32'}")
+
+
+def _mpt(row: tuple, gpu: str, spec: str, pure: bool, table: str) -> float:
+    """Plan one llm-foundry row as it ran: FSDP FULL_SHARD, no dropout (MPT's defaults: attn_pdrop,
+    resid_pdrop and emb_pdrop 0), flash-attn's fused cross-entropy (``loss_fn`` defaults to
+    ``fused_crossentropy`` in llmfoundry/models/mpt/modeling_mpt.py at 061f2c7); print it."""
+    model, seq, gpus, micro, accum, ckpt, pub_tps, _ = row
+    layers, width, _ = MPT[model]
+    layout = Layout(1, gpus, 1, 1, 3, 1, "block" if ckpt else "none", False)
+    est = estimate(mpt_config(model, seq, gpus, micro, accum, pure), layout,
+                   parse_cluster(spec.format(gpus // 8)), True, loss="fused")
+    peak = PEAK_FLOPS[gpu]["bf16"]
+    pub = pub_tps * gpt_flops_per_token(n_layer=layers, n_embd=width, seq_len=seq, vocab_size=50368) / peak
+    label = f"MPT {model} T={seq} mb{micro}x{accum}{' ac' if ckpt else ''}, {gpus} {gpu}"
+    print(f"{label:<40} {100 * est.mfu:>12.1f}% {100 * pub:>5.1f}% {est.mfu / pub:>11.2f}  llm-foundry "
+          f"benchmarking {table}{' [planner: does not fit]' if est.reason else ''}")
+    return est.mfu / pub
 
 
 def this_machine(steps: int, repeat: int) -> None:
@@ -216,21 +272,11 @@ def published() -> list[float]:
         ratios += [x / pub for x in mfu]
         print(f"{name:<40} {'-'.join(f'{100 * x:.1f}' for x in sorted(mfu)) + '%':>13} {100 * pub:>5.1f}% "
               f"{'-'.join(f'{x / pub:.2f}' for x in sorted(mfu)):>11}  {source}")
-    for model, seq, gpus, micro, accum, ckpt, pub_tps, _ in MPT_H100:
-        layers, width, heads = MPT[model]
-        cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
-                      f"model.seq_len={seq}", "model.vocab_size=50368", "model.bias=true",
-                      "model.tie_embeddings=true", "run.precision=bf16",
-                      f"run.global_batch={micro * accum * gpus}", f"run.micro_batches={accum}")
-        layout = Layout(1, gpus, 1, 1, 3, 1, "block" if ckpt else "none", False)
-        est = estimate(cfg, layout, parse_cluster(f"h100:{gpus // 8}"), True)
-        peak = PEAK_FLOPS["H100"]["bf16"]
-        pub = pub_tps * gpt_flops_per_token(n_layer=layers, n_embd=width, seq_len=seq, vocab_size=50368) / peak
-        ratios.append(est.mfu / pub)
-        label = f"MPT {model} T={seq} mb{micro}x{accum}{' ac' if ckpt else ''}, {gpus} H100"
-        print(f"{label:<40} "
-              f"{100 * est.mfu:>12.1f}% {100 * pub:>5.1f}% {est.mfu / pub:>11.2f}  llm-foundry benchmarking "
-              f"H100 80GB BF16{' [planner: does not fit]' if est.reason else ''}")
+    for gpu, spec, rows, pure in (("H100", "h100:{}", MPT_H100, False), ("A100", A100_ROCE, MPT_A100, False),
+                                  ("A100", A100_ROCE, MPT_A100_PURE, True)):
+        table = "H100 80GB BF16" if gpu == "H100" else "A100 80GB RoCE" + (" PURE" if pure else "")
+        for row in rows:
+            ratios.append(_mpt(row, gpu, spec, pure, table))
     for params, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON:
         d = gpus // (t * p)
         cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",

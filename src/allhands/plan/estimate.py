@@ -4,15 +4,17 @@ Memory, counted the way allhands measures it (memory.py): training state from th
 each rank holds (tp shards, its pipeline stage's blocks, 1/N under ZeRO; the ZeRO formulas,
 Rajbhandari et al. 2020), plus activations (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models": with SDPA no T x T matrix is stored, so about
-17 B T C values per block without recomputation, 10 with the selective policy, the block input
-with full checkpointing; / tp under sequence parallelism), in-flight pipeline microbatches
-(1F1B: pp - stage), the full parameters FSDP gathers, and the runtime's own bytes.
+17 B T C values per block without recomputation (16 without dropout), 10 with the selective
+policy, the block input with full checkpointing; / tp under sequence parallelism), in-flight
+pipeline microbatches (1F1B: pp - stage), the full parameters FSDP gathers, and the runtime's
+own bytes.
 
 Time: matmul FLOPs at ``gemm_eff`` of peak, element-wise traffic at memory bandwidth, a cost
 per eager op (fewer under compile, which fuses each block), ring collectives
-(all-reduce 2(n-1)/n B, all-gather/reduce-scatter (n-1)/n B) on the link their mesh dim spans,
-the part of data-parallel communication that backward/forward cannot hide, and the 1F1B bubble
-(pp - 1) microbatch times (Narayanan et al. 2021).
+(all-reduce 2(n-1)/n B, all-gather/reduce-scatter (n-1)/n B) on the link their mesh dim spans
+(between nodes, the NICs of the group's members on a node), the part of data-parallel
+communication that backward/forward cannot hide, and the 1F1B bubble (pp - 1) microbatch times
+(Narayanan et al. 2021).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from allhands.flops import gpt_flops_per_token
 from allhands.plan.cluster import Cluster
 from allhands.plan.localtime import PARTIAL_REDUCES, local_step, partial_grad_tensors
 
-# Values kept per block per token per C (see the docstring), by parallel.ac.
+# Values kept per block per token per C (see the docstring), by parallel.ac. Without recomputation,
+# Korthikanti et al.'s 34 bytes (16-bit activations) include two 1-byte dropout masks (attention
+# output, MLP output): 17 values with dropout; without it (model.dropout=0: ATen's dropout returns
+# its input when p is 0 and stores no mask) the 32 bytes left are 16 values.
 ACT_PER_BLOCK = {"none": 17, "selective": 10, "block": 1}
+DROPOUT_MASK_BYTES = 2
 # Eager ops per block forward+backward and element-wise tensor passes per block (B T C each),
 # and what per-block compile leaves (one fused kernel per chain of element-wise ops).
 OPS_PER_BLOCK = {False: 60, True: 16}
@@ -129,18 +135,29 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 
 def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
-    """Bandwidth of a mesh dim's group: inter-node when its ranks span nodes. Mesh order is
-    (pp, dp_replicate, dp_shard, tp), outermost first: a dim's stride is the product of the inner ones."""
+    """Bandwidth a rank of a mesh dim's group gets. Mesh order is (pp, dp_replicate, dp_shard, tp),
+    outermost first: a dim's stride is the product of the inner ones. Inside a node, the node's
+    links. A group spanning nodes with k members on each node gets min(intra, k x inter): NCCL
+    builds several rings (channels), each entering a node through one NIC, passing the node's GPUs
+    over NVLink and leaving through a NIC, and runs them concurrently on different NICs, so a
+    group's traffic between nodes is spread over the NICs of all its members on a node (NCCL's
+    maintainer S. Jeaugey on nodes with several NICs, in the NVIDIA/nccl discussion "How will NCCL
+    behave when there are multiple NICs on a node?", and on channels and NICs in "Some questions
+    about selecting NET when searching channels"). With one member a node (a stride of a node or
+    more, as HSDP's replicate dim or dp under tp=8) the group has that member's one NIC."""
     sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
              "tp": layout.tp}
+    order = list(sizes)
     if dim == "dp":  # dp_replicate x dp_shard, adjacent in the mesh
-        span = layout.dp * layout.tp
+        size, stride = layout.dp, layout.tp
     else:
-        order = list(sizes)
-        span = sizes[dim]
+        size, stride = sizes[dim], 1
         for d in order[order.index(dim) + 1:]:
-            span *= sizes[d]
-    return cluster.intra_bw if span <= cluster.per_node else cluster.inter_bw
+            stride *= sizes[d]
+    if size * stride <= cluster.per_node:
+        return cluster.intra_bw
+    members = max(1, cluster.per_node // stride)  # of the group on one node
+    return min(cluster.intra_bw, members * cluster.inter_bw)
 
 
 def train_state(layout: Layout, p: float, tensors: int, adam: int) -> dict[str, float]:
@@ -156,10 +173,11 @@ def train_state(layout: Layout, p: float, tensors: int, adam: int) -> dict[str, 
 
 
 def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units: int, compute: float,
-            bf16: bool, overlap: bool = True) -> tuple[float, float]:
+            bf16: bool, overlap: bool = True, reduce_bf16: bool = False) -> tuple[float, float]:
     """(seconds of data-parallel communication per step, the part of it backward/forward cannot
     hide) for ``pbytes`` of fp32 parameters in ``tensors`` tensors and ``units`` FSDP units;
-    without ``overlap`` the all-reduce runs after backward, all of it exposed."""
+    without ``overlap`` the all-reduce runs after backward, all of it exposed; ``reduce_bf16``:
+    FSDP reduces gradients in bf16 (parallel.reduce_dtype), half the bytes of fp32."""
     n, lat = layout.dp_shard, cluster.latency
     dp_bw = _bw(cluster, layout, "dp_shard" if layout.zero >= 2 else "dp")
     if layout.zero <= 1:
@@ -171,17 +189,27 @@ def dp_comm(layout: Layout, cluster: Cluster, pbytes: float, tensors: int, units
         return reduce, exposed
     gather_bytes = pbytes / 2 if bf16 else pbytes
     ag = _ring("allgather", gather_bytes, n) / dp_bw * (2 if layout.zero == 3 else 1)
-    rs = _ring("reducescatter", pbytes, n) / dp_bw
-    hsdp = _ring("allreduce", pbytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
+    grad_bytes = pbytes / 2 if bf16 and reduce_bf16 else pbytes
+    rs = _ring("reducescatter", grad_bytes, n) / dp_bw
+    hsdp = _ring("allreduce", grad_bytes / n, layout.dp_replicate) / _bw(cluster, layout, "dp_replicate")
     reduce = ag + rs + hsdp + lat * units * (3 if layout.zero == 3 else 2)
     return reduce, max(reduce - compute, reduce / units)  # prefetch hides all but about one unit
 
 
+def _act_none(cfg: Config, act_bytes: int) -> float:
+    """Values a block keeps per token per C without recomputation (ACT_PER_BLOCK's note)."""
+    masks = DROPOUT_MASK_BYTES / act_bytes if cfg.model.dropout > 0 else 0.0
+    return ACT_PER_BLOCK["none"] - DROPOUT_MASK_BYTES / 2 + masks
+
+
 def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, attention: str = "fused",
-             overlap_dp: bool = True) -> Estimate:
-    """``attention="materialized"`` and ``overlap_dp=False`` describe other software than allhands
-    (bench/plan.py's published runs): attention computed over a stored T x T score matrix instead
-    of a fused kernel (SDPA, FlashAttention), and DDP's all-reduce after backward, not during it."""
+             overlap_dp: bool = True, loss: str = "fp32") -> Estimate:
+    """``attention="materialized"``, ``overlap_dp=False`` and ``loss="fused"`` describe other
+    software than allhands (bench/plan.py's published runs): attention computed over a stored T x T
+    score matrix instead of a fused kernel (SDPA, FlashAttention); DDP's all-reduce after backward,
+    not during it; a fused cross-entropy kernel that reads the bf16 logits and writes their bf16
+    gradient, with no fp32 copy (flash-attn's ``flash_attn.losses.cross_entropy.CrossEntropyLoss``,
+    which saves the logits and a log-sum-exp per row, llm-foundry's default ``loss_fn``)."""
     m, r = cfg.model, cfg.run
     c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
     est = Estimate(layout)
@@ -197,12 +225,14 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
         state = train_state(layout, p, tensors, adam)
         est.state_rank.append(sum(state.values()))
         in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
-        per_block = ACT_PER_BLOCK[layout.ac] * mb * t * c / tp * act_bytes
+        per_token = _act_none(cfg, act_bytes) if layout.ac == "none" else ACT_PER_BLOCK[layout.ac]
+        per_block = per_token * mb * t * c / tp * act_bytes
         acts = in_flight * blocks[stage] * per_block
         if layout.ac == "block":  # one block's intermediates live again during its recompute
-            acts += ACT_PER_BLOCK["none"] * mb * t * c / tp * act_bytes
-        if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient
-            acts += 3 * mb * t * v * 4
+            acts += _act_none(cfg, act_bytes) * mb * t * c / tp * act_bytes
+        if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient; fused: the
+            # logits and their gradient, both in the activations' dtype
+            acts += 3 * mb * t * v * 4 if loss == "fp32" else 2 * mb * t * v * act_bytes
         block_params = 4.0 * (12 * c * c + 2 * c) / tp * (2 / 4 if bf16 and layout.zero >= 2 else 1)
         gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
                     2: blocks[stage] * block_params, 3: 2 * block_params}[layout.zero]
@@ -235,7 +265,8 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     numel0, tensors0 = stage_params(cfg, pp, tp, 0)
     pbytes = 4.0 * numel0
     lat = cluster.latency
-    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16, overlap_dp)
+    reduce, exposed = dp_comm(layout, cluster, pbytes, tensors0, max(blocks) + 1, compute, bf16, overlap_dp,
+                              cfg.parallel.reduce_dtype == "bf16")
     tp_comm = 0.0
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
         per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat
