@@ -5,8 +5,7 @@ model is made of, never the step of the layout it predicts.
 - The probes (probes.py), in ``nproc`` gloo processes on loopback: each collective's latency
   and seconds per byte (Hockney's alpha-beta model); what DDP, FSDP2 and sequence-parallel TP
   add to a forward + backward, per step and per unit; the update's extra cost per DTensor,
-  Partial-gradient and ZeRO-1 parameter; 1F1B's cost per microbatch; and how much slower the
-  same eager work runs with every worker busy than with one (``contention``).
+  Partial-gradient and ZeRO-1 parameter; 1F1B's cost per microbatch.
 
 Every figure is the fastest of its repetitions, not their median: on a machine shared with other
 jobs, other processes only ever add time to a repetition (a descheduled rank stalls its peers'
@@ -17,6 +16,8 @@ statistic that repeats from run to run (timeit's advice); plan.check measures th
   each shape, localtime.kernel_seconds), fitted as ``fixed + per_block * blocks + per_param * params``
   (eager ops per block; the optimizer and the gradient clipping per parameter); and the worker's
   resident set beyond its tensors (interpreter, torch, gloo), the ``runtime`` of every worker.
+- Two more, of one GPT on one worker and data-parallel on ``nproc``: how much slower a worker
+  computes beside the others (``contention``).
 """
 
 from __future__ import annotations
@@ -133,6 +134,47 @@ def probe_steps(nproc: int, per_block: float, per_param: float, steps: int = 8) 
     return {"step_fixed": max(0.0, min(residual)), "runtime": statistics.median(runtime)}
 
 
+# A data-parallel run of this reference GPT on nproc workers, and one on one worker with the same
+# batch per worker: (n_layer, n_embd, seq_len, sequences per worker), steps of tens of ms here
+CONTENTION_RUN = (2, 128, 64, 8)
+
+
+def probe_contention(nproc: int, cal: dict, steps: int = 20) -> float:
+    """How much slower a worker's compute runs with ``nproc`` workers training side by side than
+    alone: the caches, memory bandwidth and cores they share, and the communication threads
+    running beside the compute. Timed on real training steps through the launcher (kernels timed
+    side by side in isolation run at full speed here, while two training workers slow each other
+    by half or more): the ``nproc``-worker step less its modelled communication and update, over
+    its modelled compute scaled by how far the 1-worker step is from its own prediction."""
+    from allhands.config import Config, apply_override
+    from allhands.plan.check import QUIET, run_layout
+    from allhands.plan.cluster import local_cluster
+    from allhands.plan.estimate import Layout, estimate, stage_params
+    from allhands.plan.localtime import local_step
+
+    if nproc < 2:
+        return 1.0
+    n_layer, n_embd, seq, per_worker = CONTENTION_RUN
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    flat = {**cal, "contention": 1.0}
+    got = []
+    with tempfile.TemporaryDirectory(prefix="allhands-calibrate-") as tmp:
+        for world in (1, nproc):
+            cfg = Config()
+            for item in ("model.bias=false", f"model.n_layer={n_layer}", "model.n_head=2", f"model.n_embd={n_embd}",
+                         f"model.seq_len={seq}", f"run.global_batch={per_worker * world}", f"run.threads={threads}",
+                         *QUIET):
+                apply_override(cfg, item)
+            layout = Layout(world, 1, 1, 1, 0)
+            numel, tensors = stage_params(cfg, 1, 1, 0)
+            pred = local_step(cfg, layout, flat, blocks=[n_layer], numel=[numel], tensors=[tensors], threads=threads)
+            est = estimate(cfg, layout, local_cluster(world, calibrated=False), False)
+            got.append((run_layout(cfg, est, world, Path(tmp) / f"run-{world}", steps).step_time, pred))
+    (one, pred_one), (many, pred_many) = got
+    scale = one / pred_one["step"]  # the model's own error on one worker, kept out of the factor
+    return max(1.0, (many - (pred_many["step"] - pred_many["compute"])) / (pred_many["compute"] * scale))
+
+
 ROUNDS = 3  # probe runs a calibration takes the median of
 
 
@@ -147,10 +189,10 @@ def _median(runs: list[dict]) -> dict:
 def calibrate(nproc: int, *, force: bool = False, probes_only: bool = False,
               recent: list[dict] | None = None) -> dict:
     """The calibration for ``nproc`` workers: cached, else measured (about two minutes) and
-    cached: the median of ROUNDS probe runs and three launcher runs. ``probes_only`` measures the
-    probes again (gloo, the frameworks, contention, the per-block and per-parameter costs) and
-    keeps the cached figures of the launcher runs (the trainer's fixed cost per step and the
-    worker's resident set). ``recent``, the caller's list of earlier probe runs, is added to and
+    cached: the median of ROUNDS probe runs and five launcher runs. ``probes_only`` measures the
+    probes again (gloo, the frameworks, the per-block and per-parameter costs) and keeps the
+    cached figures of the launcher runs (the trainer's fixed cost per step, the worker's resident
+    set, contention). ``recent``, the caller's list of earlier probe runs, is added to and
     the median taken over its last ROUNDS, so that a caller measuring again and again (check's
     refresh) pays one probe run each time after the first."""
     if not force and (hit := cached_calibration(nproc)) is not None:
@@ -165,9 +207,12 @@ def calibrate(nproc: int, *, force: bool = False, probes_only: bool = False,
         recent.append({**probe_comm(max(2, nproc)), **probe_step_costs(nproc)})
     del recent[:-ROUNDS]
     probes = _median(recent)
-    steps = kept or probe_steps(nproc, probes["step_per_block"], probes["step_per_param"])
-    result = {**probes, "step_fixed": steps["step_fixed"], "runtime": steps["runtime"],
-              "measured_at": time.time(), "method": METHOD}
+    if kept:
+        runs = {k: kept[k] for k in ("step_fixed", "runtime", "contention")}
+    else:
+        runs = probe_steps(nproc, probes["step_per_block"], probes["step_per_param"])
+        runs["contention"] = probe_contention(nproc, {**probes, **runs})
+    result = {**probes, **runs, "measured_at": time.time(), "method": METHOD}
     path = calibration_path()
     try:
         table = json.loads(path.read_text())

@@ -38,9 +38,10 @@ from allhands.flops import _cpu_name
 DDP_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 # What calibrate.py's figures mean; a cache made by another method is measured again. 2: the
 # fastest repetition of each probe (not medians that other processes' load inflates), attention,
-# GELU and norms timed apart by kernel_seconds (not inside step_per_block); 3: contention timed
-# with the workers in lockstep at the kernels' size.
-METHOD = 3
+# GELU and norms timed apart by kernel_seconds (not inside step_per_block); 4: contention from a
+# data-parallel training run beside a 1-worker one (kernels timed side by side in isolation run
+# at full speed, while two training workers slow each other by half or more).
+METHOD = 4
 
 
 def calibration_key(nproc: int) -> str:

@@ -1,8 +1,7 @@
 """The timing probes behind calibrate.py, run in ``nproc`` gloo processes on loopback: the
 alpha-beta figures of each collective, what DDP, FSDP2 and sequence-parallel TP add to a forward +
 backward over the same plain modules, the update's extra cost per DTensor, Partial-gradient and
-ZeRO-1 parameter, 1F1B's cost per microbatch, and how much slower work runs with every worker
-busy (contention). Each figure is the fastest of its repetitions (calibrate.py says why)."""
+ZeRO-1 parameter and 1F1B's cost per microbatch. Each figure is the fastest of its repetitions (calibrate.py says why)."""
 
 from __future__ import annotations
 
@@ -66,27 +65,6 @@ def _extra(wrapped, n: int, x: torch.Tensor, barrier, *, full: torch.Tensor | No
     return max(0.0, min(ours) - min(theirs))
 
 
-def _contention(rank: int, barrier, reps: int = 30) -> float:
-    """How much slower the same eager work runs when every worker runs it at once than when one
-    runs it alone (the cores, caches and memory bandwidth they share): a half block of width 128
-    over 512 rows, the size of the kernels the planner times, run by rank 0 alone while the others
-    wait in a barrier, then by every rank at once after one; the fastest of each, alternated, so
-    that both see the same load of other processes."""
-    half, x = _Half(128), torch.ones(8, 64, 128)
-    alone = together = float("inf")
-    for i in range(reps + 3):
-        barrier()
-        if rank == 0:
-            t0 = time.perf_counter()
-            half(x).sum().backward()
-            alone = min(alone, time.perf_counter() - t0) if i >= 3 else alone
-        barrier()
-        t0 = time.perf_counter()
-        half(x).sum().backward()
-        together = min(together, time.perf_counter() - t0) if i >= 3 else together
-    return max(1.0, together / alone) if rank == 0 else 1.0
-
-
 def _fit(wrap, x: torch.Tensor, barrier, **kw) -> tuple[float, float]:
     """(seconds per step, seconds per half) of what ``wrap(nn.Sequential of halves)`` adds,
     from SPANS: a framework's cost has a per-step part (root hooks, final callbacks) and a
@@ -135,7 +113,6 @@ def probe_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
             out[name] = _alpha_beta(points[0], points[1], 4.0 * SIZES[0], 4.0 * SIZES[1])
         mesh = init_device_mesh("cpu", (world,))
         x = torch.ones(8, 16, 16)
-        out["contention"] = _contention(rank, dist.barrier)
         for zero, reshard in ((2, False), (3, True)):  # FSDP2: one unit per block and the root
             def shard(seq: nn.Sequential, reshard: bool = reshard) -> nn.Sequential:
                 for layer in seq:
