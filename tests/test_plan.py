@@ -230,3 +230,17 @@ def test_a_calibration_takes_each_figure_s_median_over_probe_runs():
     runs = [{"ddp_step": 0.0, "allreduce": [1e-4, 3e-9]}, {"ddp_step": 2e-3, "allreduce": [3e-4, 1e-9]},
             {"ddp_step": 1e-3, "allreduce": [2e-4, 2e-9]}]
     assert _median(runs) == {"ddp_step": 1e-3, "allreduce": [2e-4, 2e-9]}
+
+
+def test_contention_is_the_compute_factor_a_data_parallel_step_needs():
+    """Calibration's contention: a 2-worker step whose compute runs 1.5x slower than one worker's
+    gives 1.5, communication and the update left as modelled; a 1-worker step the model predicts
+    20% short scales the compute it is compared with, so the model's own error does not count as
+    contention; and workers that do not slow each other give 1, never less."""
+    from allhands.plan.calibrate import contention_factor
+
+    one = {"step": 40e-3, "compute": 36e-3}
+    many = {"step": 45e-3, "compute": 36e-3}  # + 4 ms of communication, 5 ms of update
+    assert contention_factor(40e-3, one, 9e-3 + 1.5 * 36e-3, many) == pytest.approx(1.5)
+    assert contention_factor(48e-3, one, 9e-3 + 1.5 * 1.2 * 36e-3, many) == pytest.approx(1.5)
+    assert contention_factor(40e-3, one, 40e-3, many) == 1.0

@@ -17,7 +17,8 @@ statistic that repeats from run to run (timeit's advice); plan.check measures th
   (eager ops per block; the optimizer and the gradient clipping per parameter); and the worker's
   resident set beyond its tensors (interpreter, torch, gloo), the ``runtime`` of every worker.
 - Two more, of one GPT on one worker and data-parallel on ``nproc``: how much slower a worker
-  computes beside the others (``contention``).
+  computes beside the others (``contention``), and the resident set of a worker beside others
+  (with gloo's connections to its peers), the ``runtime`` when ``nproc`` > 1.
 """
 
 from __future__ import annotations
@@ -139,13 +140,15 @@ def probe_steps(nproc: int, per_block: float, per_param: float, steps: int = 8) 
 CONTENTION_RUN = (2, 128, 64, 8)
 
 
-def probe_contention(nproc: int, cal: dict, steps: int = 20) -> float:
+def probe_contention(nproc: int, cal: dict, steps: int = 20) -> tuple[float, float | None]:
     """How much slower a worker's compute runs with ``nproc`` workers training side by side than
     alone: the caches, memory bandwidth and cores they share, and the communication threads
     running beside the compute. Timed on real training steps through the launcher (kernels timed
     side by side in isolation run at full speed here, while two training workers slow each other
     by half or more): the ``nproc``-worker step less its modelled communication and update, over
-    its modelled compute scaled by how far the 1-worker step is from its own prediction."""
+    its modelled compute scaled by how far the 1-worker step is from its own prediction. And a
+    worker's resident set beyond its tensors when ``nproc`` of them run (each holds gloo's
+    connections and buffers to its peers, which a lone worker has not): ``runtime``."""
     from allhands.config import Config, apply_override
     from allhands.plan.check import QUIET, run_layout
     from allhands.plan.cluster import local_cluster
@@ -153,7 +156,7 @@ def probe_contention(nproc: int, cal: dict, steps: int = 20) -> float:
     from allhands.plan.localtime import local_step
 
     if nproc < 2:
-        return 1.0
+        return 1.0, None
     n_layer, n_embd, seq, per_worker = CONTENTION_RUN
     threads = max(1, (os.cpu_count() or 1) // nproc)
     flat = {**cal, "contention": 1.0}
@@ -169,9 +172,18 @@ def probe_contention(nproc: int, cal: dict, steps: int = 20) -> float:
             numel, tensors = stage_params(cfg, 1, 1, 0)
             pred = local_step(cfg, layout, flat, blocks=[n_layer], numel=[numel], tensors=[tensors], threads=threads)
             est = estimate(cfg, layout, local_cluster(world, calibrated=False), False)
-            got.append((run_layout(cfg, est, world, Path(tmp) / f"run-{world}", steps).step_time, pred))
-    (one, pred_one), (many, pred_many) = got
-    scale = one / pred_one["step"]  # the model's own error on one worker, kept out of the factor
+            run = run_layout(cfg, est, world, Path(tmp) / f"run-{world}", steps)
+            got.append((run.step_time, pred, run.peak - (est.memory["total"] - est.memory["buffers"])))
+    (one, pred_one, _), (many, pred_many, runtime) = got
+    return contention_factor(one, pred_one, many, pred_many), runtime
+
+
+def contention_factor(one: float, pred_one: dict, many: float, pred_many: dict) -> float:
+    """From measured steps ``one`` (1 worker) and ``many`` (data-parallel, the same batch per
+    worker) and their predictions at contention 1 (localtime.local_step): the factor on the
+    many-worker compute that its step needs beyond the modelled communication and update, once
+    the model's own error on one worker is taken out."""
+    scale = one / pred_one["step"]
     return max(1.0, (many - (pred_many["step"] - pred_many["compute"])) / (pred_many["compute"] * scale))
 
 
@@ -211,7 +223,8 @@ def calibrate(nproc: int, *, force: bool = False, probes_only: bool = False,
         runs = {k: kept[k] for k in ("step_fixed", "runtime", "contention")}
     else:
         runs = probe_steps(nproc, probes["step_per_block"], probes["step_per_param"])
-        runs["contention"] = probe_contention(nproc, {**probes, **runs})
+        runs["contention"], runtime = probe_contention(nproc, {**probes, **runs})
+        runs["runtime"] = runtime or runs["runtime"]
     result = {**probes, **runs, "measured_at": time.time(), "method": METHOD}
     path = calibration_path()
     try:

@@ -40,8 +40,9 @@ DDP_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 # fastest repetition of each probe (not medians that other processes' load inflates), attention,
 # GELU and norms timed apart by kernel_seconds (not inside step_per_block); 4: contention from a
 # data-parallel training run beside a 1-worker one (kernels timed side by side in isolation run
-# at full speed, while two training workers slow each other by half or more).
-METHOD = 4
+# at full speed, while two training workers slow each other by a third or more); 5: a worker's
+# runtime memory from that data-parallel run (with gloo's connections to its peers).
+METHOD = 5
 
 
 def calibration_key(nproc: int) -> str:
