@@ -335,7 +335,8 @@ def test_killed_async_worker_restarts_everyone_and_the_job_finishes(token_dir, t
 def test_a_world_logging_apart_says_and_records_where_it_resumes(tmp_path):
     """A replica-mode world logs in a directory of its own (``ps-servers``) but resumes from the
     servers' checkpoints: its restart line and record name their latest committed step, not its
-    log directory's (which has none); without ``checkpoints`` a job keeps RUN/checkpoints."""
+    log directory's (which has none), and when it gives up the fix names the run directory
+    ``--resume`` takes, not the world's; without ``checkpoints`` a job keeps RUN/checkpoints."""
     run = tmp_path / "run"
     for step, commit in ((2, True), (4, True), (6, False)):  # step 6: a save cut short, no .metadata
         (run / "ps-checkpoints" / f"step-{step:08d}").mkdir(parents=True)
@@ -343,10 +344,13 @@ def test_a_world_logging_apart_says_and_records_where_it_resumes(tmp_path):
             (run / "ps-checkpoints" / f"step-{step:08d}" / ".metadata").write_bytes(b"")
     lines: list[str] = []
     job = RestartPolicy(max_restarts=1, backoff_s=0).for_job(
-        run / "ps-servers", checkpoints=run / "ps-checkpoints", sleep=lambda s: None, say=lines.append)
+        run / "ps-servers", checkpoints=run / "ps-checkpoints", resume_dir=run, sleep=lambda s: None,
+        say=lines.append)
     job.backoff(job.decide("worker rank 0 (pid 1) failed: killed by SIGKILL", progressed=True))
     assert lines[0].endswith("restart 1/1 from checkpoint step 4 after 0.0 s")
     assert _resumed_from(run / "ps-servers") == ["checkpoint step 4"]
+    again = job.decide("worker rank 0 (pid 2) failed: killed by SIGKILL", progressed=True)
+    assert f"continue from checkpoint step 4 with --resume {run}, or allow more" in job.stop(again)
     assert RestartPolicy().for_job(run / "ps-servers").resume_from().startswith("the start")
 
 

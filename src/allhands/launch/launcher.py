@@ -197,11 +197,14 @@ def _quiet_intrusions_in_threads() -> None:
 
 def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads: int = 0,
            log_dir: Path | None = None, policy: Any = None, run_dir: Path | None = None,
-           timeouts: Any = None, checkpoints: Path | None = None) -> None:
+           timeouts: Any = None, checkpoints: Path | None = None,
+           resume_dir: Path | None = None) -> None:
     """Run ``entrypoint(*args)`` (or the program ``entrypoint args...``) on every worker, under
     supervision (supervisor.py, policy.py): failures are named as they happen and restarted per ``policy``.
     ``checkpoints``: where a restart of a single-node job resumes from, said in its restart line
-    and ``restarts.jsonl``, when not ``run_dir/checkpoints`` (launch/psgroups.py).
+    and ``restarts.jsonl``, when not ``run_dir/checkpoints`` (launch/psgroups.py); ``resume_dir``:
+    the run directory ``--resume`` takes, when ``run_dir`` is a world's own directory inside it
+    (a replica group's or a parameter-server world's).
 
     Raises LaunchError with one line per failed rank when the job fails for good, and
     Interrupted with one line when SIGINT, SIGTERM or SIGUSR1 stopped it (stop.py).
@@ -238,7 +241,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     with safefs.private_tmp(), safefs.private_umask(), stop.handling():
         try:
             supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node,
-                      checkpoints=checkpoints)
+                      checkpoints=checkpoints, resume_dir=resume_dir)
             if stop.CURRENT.signum:  # the workers ended (the last step, or a signal before they
                 raise stop.Stopped(stop.CURRENT.signum, clean=True)  # could handle it): say so
         except stop.Stopped as s:

@@ -140,12 +140,16 @@ class JobRestarts:
     records, and the lines say that all nodes re-rendezvous and how to continue after a stop.
     ``checkpoints``: where the next attempt resumes from, when not ``run_dir/checkpoints`` (a
     parameter-server world in replica mode logs in a directory of its own but resumes from the
-    servers' or its worker group's checkpoints, launch/psgroups.py)."""
+    servers' or its worker group's checkpoints, launch/psgroups.py). ``resume_dir``: the run
+    directory that ``--resume`` takes, when not ``run_dir`` (such a world, or a replica group
+    other than 0, logs in a directory inside the run's)."""
 
     def __init__(self, policy: RestartPolicy, run_dir: Path | None, node: str | None = None, *,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 say: Callable[[str], None] = say, checkpoints: Path | None = None):
+                 say: Callable[[str], None] = say, checkpoints: Path | None = None,
+                 resume_dir: Path | None = None):
         self.policy, self.run_dir, self.node = policy, run_dir, node
+        self.resume_dir = resume_dir or run_dir
         self.checkpoints = checkpoints or (run_dir / "checkpoints" if run_dir is not None else None)
         self.clock, self.sleep, self.say = clock, sleep, say
         # restarts: counted against max_restarts; flakes: retries since the last restart;
@@ -209,7 +213,7 @@ class JobRestarts:
         elif self.run_dir is None:
             again = "continue by starting the script again"
         else:
-            again = f"continue from {resume} with --resume {self.run_dir}"
+            again = f"continue from {resume} with --resume {self.resume_dir}"
         if d.verdict == "repeated":
             return (f"{d.summary}; the same error as the attempt before, so a bug to fix rather "
                     f"than a fault to restart: fix it, then {again}")

@@ -80,9 +80,10 @@ def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, la
     its restarts resuming from the checkpoints in ``resume``."""
     os.environ[PS_ENV] = f"{group},{groups},127.0.0.1,{port}"
     where.mkdir(parents=True, exist_ok=True)
+    cfg = Config.from_dict(cfg_dict)
     try:
-        launch(entry, (cfg_dict, job), group_spec, threads=Config.from_dict(cfg_dict).run.threads,
-               log_dir=where / "logs", policy=policy, run_dir=where, checkpoints=resume)
+        launch(entry, (cfg_dict, job), group_spec, threads=cfg.run.threads, log_dir=where / "logs",
+               policy=policy, run_dir=where, checkpoints=resume, resume_dir=Path(cfg.run.dir))
     except LaunchError as e:
         print(f"allhands: ps group {group}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

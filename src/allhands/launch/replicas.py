@@ -155,7 +155,7 @@ def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: s
     where.mkdir(parents=True, exist_ok=True)
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=cfg.run.threads,
-               log_dir=where / "logs", policy=policy, run_dir=where)
+               log_dir=where / "logs", policy=policy, run_dir=where, resume_dir=run_dir)
     except Interrupted as e:  # the replicas launcher says the one line for the whole job
         sys.exit(e.exit_code)
     except LaunchError as e:

@@ -95,12 +95,13 @@ class Watchdog:
 
 def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
               run_dir: Path | None, restart_here: bool = True,
-              checkpoints: Path | None = None) -> None:
+              checkpoints: Path | None = None, resume_dir: Path | None = None) -> None:
     """Run ``attempt(n, heartbeat_dir)`` until it succeeds; on a ``WorkerFailure`` say who failed
     and why, then restart with backoff (``restart_here``), or stop with one line and
     ``LaunchError`` once ``policy.max_restarts`` are used up or the cause is fatal (policy.py).
-    ``checkpoints``: where a restart resumes from, when not ``run_dir/checkpoints``."""
-    job = policy.for_job(run_dir, checkpoints=checkpoints)
+    ``checkpoints``: where a restart resumes from, when not ``run_dir/checkpoints``;
+    ``resume_dir``: what ``--resume`` takes, when not ``run_dir``."""
+    job = policy.for_job(run_dir, checkpoints=checkpoints, resume_dir=resume_dir)
     root = Path(tempfile.mkdtemp(prefix="allhands-hb-"))
     n = 0
     try:
