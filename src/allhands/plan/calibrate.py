@@ -82,18 +82,33 @@ def _gpt_costs(n_layer: int, n_embd: int, threads: int, reps: int = 30) -> tuple
         torch.set_num_threads(before)
 
 
-def _step_configs(threads: int) -> list:
+def _gpt_config(n_layer: int, n_embd: int, threads: int, seq_len: int = 16, batch: int = 12):
+    """A calibration run's reference GPT (2 heads, no biases) and plan.check's quiet settings."""
     from allhands.config import Config, apply_override
     from allhands.plan.check import QUIET
 
-    cfgs = []
-    for n_layer, n_embd in STEP_RUNS:
-        cfg = Config()
-        for item in ("model.bias=false", f"model.n_layer={n_layer}", "model.n_head=2", f"model.n_embd={n_embd}",
-                     "model.seq_len=16", "run.global_batch=12", f"run.threads={threads}", *QUIET):
-            apply_override(cfg, item)
-        cfgs.append(cfg)
-    return cfgs
+    cfg = Config()
+    for item in ("model.bias=false", f"model.n_layer={n_layer}", "model.n_head=2", f"model.n_embd={n_embd}",
+                 f"model.seq_len={seq_len}", f"run.global_batch={batch}", f"run.threads={threads}", *QUIET):
+        apply_override(cfg, item)
+    return cfg
+
+
+def _step_configs(threads: int) -> list:
+    return [_gpt_config(n_layer, n_embd, threads) for n_layer, n_embd in STEP_RUNS]
+
+
+def _train(cfg, world: int, run_dir: Path, steps: int):
+    """Train ``cfg`` data-parallel on ``world`` workers through the launcher: (its fastest step
+    after the warm-up, as check measures, a worker's resident set beyond its modelled tensors,
+    the estimate those tensors come from)."""
+    from allhands.plan.check import run_layout
+    from allhands.plan.cluster import local_cluster
+    from allhands.plan.estimate import Layout, estimate
+
+    est = estimate(cfg, Layout(world, 1, 1, 1, 0), local_cluster(world, calibrated=False), False)
+    got = run_layout(cfg, est, world, run_dir, steps)
+    return got.step_time, got.peak - (est.memory["total"] - est.memory["buffers"]), est
 
 
 def probe_step_costs(nproc: int) -> dict:
@@ -115,23 +130,17 @@ def probe_steps(nproc: int, per_block: float, per_param: float, steps: int = 8) 
     launcher leave over their kernels, ``per_block`` eager seconds a block and ``per_param``
     update seconds a parameter (probe_step_costs); the worker's resident set beyond its modelled
     tensors."""
-    from allhands.plan.check import run_layout
-    from allhands.plan.cluster import local_cluster
-    from allhands.plan.estimate import Layout, estimate
     from allhands.plan.localtime import kernel_seconds
 
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    cfgs = _step_configs(threads)
     residual, runtime = [], []
-    cluster = local_cluster(1, calibrated=False)
     with tempfile.TemporaryDirectory(prefix="allhands-calibrate-") as tmp:
-        for i, cfg in enumerate(cfgs):
-            est = estimate(cfg, Layout(1, 1, 1, 1, 0), cluster, False)
-            got = run_layout(cfg, est, 1, Path(tmp) / f"run-{i}", steps)  # its best step, as check's
+        for i, cfg in enumerate(_step_configs(threads)):
+            step, rss, est = _train(cfg, 1, Path(tmp) / f"run-{i}", steps)
             numel = sum(est.state_rank) / 16  # fp32 parameters + gradients + two AdamW moments
             kern = kernel_seconds(cfg, 12, 1, cfg.model.n_layer, True, threads)
-            residual.append(got.step_time - kern - per_block * cfg.model.n_layer - per_param * numel)
-            runtime.append(got.peak - (est.memory["total"] - est.memory["buffers"]))
+            residual.append(step - kern - per_block * cfg.model.n_layer - per_param * numel)
+            runtime.append(rss)
     return {"step_fixed": max(0.0, min(residual)), "runtime": statistics.median(runtime)}
 
 
@@ -149,10 +158,7 @@ def probe_contention(nproc: int, cal: dict, steps: int = 20) -> tuple[float, flo
     its modelled compute scaled by how far the 1-worker step is from its own prediction. And a
     worker's resident set beyond its tensors when ``nproc`` of them run (each holds gloo's
     connections and buffers to its peers, which a lone worker has not): ``runtime``."""
-    from allhands.config import Config, apply_override
-    from allhands.plan.check import QUIET, run_layout
-    from allhands.plan.cluster import local_cluster
-    from allhands.plan.estimate import Layout, estimate, stage_params
+    from allhands.plan.estimate import Layout, stage_params
     from allhands.plan.localtime import local_step
 
     if nproc < 2:
@@ -163,17 +169,12 @@ def probe_contention(nproc: int, cal: dict, steps: int = 20) -> tuple[float, flo
     got = []
     with tempfile.TemporaryDirectory(prefix="allhands-calibrate-") as tmp:
         for world in (1, nproc):
-            cfg = Config()
-            for item in ("model.bias=false", f"model.n_layer={n_layer}", "model.n_head=2", f"model.n_embd={n_embd}",
-                         f"model.seq_len={seq}", f"run.global_batch={per_worker * world}", f"run.threads={threads}",
-                         *QUIET):
-                apply_override(cfg, item)
-            layout = Layout(world, 1, 1, 1, 0)
+            cfg = _gpt_config(n_layer, n_embd, threads, seq, per_worker * world)
             numel, tensors = stage_params(cfg, 1, 1, 0)
-            pred = local_step(cfg, layout, flat, blocks=[n_layer], numel=[numel], tensors=[tensors], threads=threads)
-            est = estimate(cfg, layout, local_cluster(world, calibrated=False), False)
-            run = run_layout(cfg, est, world, Path(tmp) / f"run-{world}", steps)
-            got.append((run.step_time, pred, run.peak - (est.memory["total"] - est.memory["buffers"])))
+            pred = local_step(cfg, Layout(world, 1, 1, 1, 0), flat, blocks=[n_layer], numel=[numel],
+                              tensors=[tensors], threads=threads)
+            step, rss, _ = _train(cfg, world, Path(tmp) / f"run-{world}", steps)
+            got.append((step, pred, rss))
     (one, pred_one, _), (many, pred_many, runtime) = got
     return contention_factor(one, pred_one, many, pred_many), runtime
 
