@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
                                  check_compatible, load_weights, seed_rank)
@@ -26,13 +25,13 @@ from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.flops import StepFlops
 from allhands.env import worker_env
+from allhands.evaluate import check_replicas, evaluate
 from allhands.heartbeat import Heartbeat
 from allhands.hooks import LoopHooks
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
 from allhands.job import Job, build_data, build_reference_model, lm_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
-from allhands.memory import local
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
@@ -40,11 +39,6 @@ from allhands.stopflag import CleanStop
 from allhands.sync import SyncBuilder, build_sync
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
-
-
-def param_checksums(model: nn.Module) -> torch.Tensor:
-    """One float64 sum per parameter, over this rank's local shard of a DTensor."""
-    return torch.stack([local(p).detach().double().sum() for p in model.parameters()])
 
 
 class Trainer:
@@ -165,20 +159,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.val_sampler is None or self.cfg.data.eval_batches == 0:
             return None
-        self.layout.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad(), self.layout.autocast():
-            for b in range(self.cfg.data.eval_batches):
-                idx = self.val_sampler.local_micro_batches(b, self.mesh.dp_rank, self.mesh.dp_size, 1)[0]
-                x, y = self._to_device(collate(self.val_ds, idx))
-                loss = self.layout.eval_loss(x, y)
-                if self.layout.reports_loss:
-                    total[0] += float(loss) * len(idx)
-                    total[1] += len(idx)
-        self.layout.train()
-        # one contribution per data-parallel rank: from its rank that reports_loss
-        dist.all_reduce(total)
-        return float(total[0] / total[1])
+        return evaluate(self.layout, self.val_ds, self.val_sampler, self.cfg.data.eval_batches,
+                        self._to_device)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.cfg.run
@@ -229,18 +211,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
 
-    def check_replicas(self, step: int) -> None:
-        dim = self.layout.replica_dim  # the dim whose ranks hold equal parameters
-        mine = torch.cat([param_checksums(part) for part in self.parts]).cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size(dim))]
-        dist.all_gather(gathered, mine, group=self.mesh.group(dim))
-        for rank, other in enumerate(gathered):
-            if not torch.equal(other, gathered[0]):
-                bad = int((other != gathered[0]).nonzero()[0])
-                name = [n for part in self.parts for n, _ in part.named_parameters()][bad]
-                raise RuntimeError(f"replicas diverged after step {step}: rank {rank}'s parameter "
-                                   f"{name!r} differs from rank 0's")
-
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
         t_load = time.perf_counter()
@@ -261,7 +231,7 @@ class Trainer:
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
-            self._say(metrics, slow_phase(f"loading checkpoint step {ts.step}", t_load))
+            metrics.message(slow_phase(f"loading checkpoint step {ts.step}", t_load))
         # Also right after a resume: the checkpoint's eval loss under this layout, which must
         # equal the one logged when it was saved, under any other layout (DCP reshards).
         ev = self.evaluate()
@@ -296,10 +266,10 @@ class Trainer:
                 if not logged_memory:
                     logged_memory = self.layout.log_memory(metrics, self.memory, ts.step)
                 if r.check_sync and self.strategy.in_sync(ts.step):
-                    self.check_replicas(ts.step)
+                    check_replicas(self.parts, mesh, self.layout.replica_dim, ts.step)
                 dt = time.perf_counter() - t0
                 if ts.step == first_step:  # builds caches, buckets and compiled graphs
-                    self._say(metrics, slow_phase("the first step", dt))
+                    metrics.message(slow_phase("the first step", dt))
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
@@ -347,11 +317,6 @@ class Trainer:
             self.ckpt.close()
             metrics.close(summary=ts.step >= r.steps)
         return result
-
-    @staticmethod
-    def _say(metrics: MetricsWriter, line: str | None) -> None:
-        if line:
-            metrics.message(line)
 
     def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
         for w in self.ckpt.warnings:
