@@ -45,6 +45,7 @@ from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
 from allhands.launch import stop
+from allhands.launch.storehost import HostedStore
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
 from allhands.replica.spares import hand_over, holder
@@ -59,26 +60,33 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
     complete; LaunchError when every group failed for good (each one's restarts used up). Across
     nodes: launch/replica_nodes.py, with the same slots and summary."""
     run_dir = Path(cfg.run.dir)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    host = HostedStore("127.0.0.1", 0, "replica store", cfg.parallel.timeout_s)  # loopback only
     secret = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{store.port}", secret,
+                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{host.port}", secret,
                                launch, entry, group_spec, policy)) for g in range(nproc + cfg.fault.spares)]
-    for p in procs:
-        p.start()
-    spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
-    print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
-          f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
-    ours = sealed(store, secret, f"replica store at 127.0.0.1:{store.port}")
-    watcher = Watcher(ours, nproc, procs, run_dir / "replicas" / "notices.jsonl")
-    with _stop_handling(ours, watcher) as stopping:
-        watcher.start()
-        try:
-            _join(procs, ours, watcher)
-        finally:
-            watcher.halt()
+    try:
+        for p in procs:
+            p.start()
+        host.ready()
+        spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
+        print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
+              f"127.0.0.1:{host.port} only; run directory {run_dir}", file=sys.stderr, flush=True)
+        ours = sealed(dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                    timeout=timedelta(seconds=cfg.parallel.timeout_s)),
+                      secret, host.where, tolerant=True)
+        watcher = Watcher(ours, nproc, procs, run_dir / "replicas" / "notices.jsonl")
+        with _stop_handling(ours, watcher) as stopping:
+            watcher.start()
+            try:
+                _join(procs, ours, watcher)
+            finally:
+                watcher.halt()
+                ours.close()
+    finally:
+        end_slots(procs)
+        host.close()
     codes = [p.exitcode for i, p in enumerate(procs) if i not in watcher.cut_short]
     signum = stopping.signum or next((signal_of(c) for c in codes if c and signal_of(c)), None)
     if signum:
@@ -88,7 +96,6 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
                           stop.exit_code(signum))
     failed = [g for g, p in enumerate(procs) if p.exitcode != 0 and g not in watcher.cut_short]
     check_groups(failed, len(procs), run_dir / "logs")
-    del store
 
 
 def check_groups(failed: list[int], total: int, logs: Path, whose: str = "") -> None:
@@ -100,6 +107,16 @@ def check_groups(failed: list[int], total: int, logs: Path, whose: str = "") -> 
     if failed:
         print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
               f"the others completed the job", file=sys.stderr, flush=True)
+
+
+def end_slots(procs: list) -> None:
+    """Kill every slot still running and its workers (a launcher that failed before its slots
+    ended leaves none behind), then wait for them."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            for pid in [*_descendants(p.pid), p.pid]:
+                _kill(pid)
+            p.join()
 
 
 def start_with_secret(procs: list, secret: str) -> None:
