@@ -21,11 +21,15 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
 from test_parity import max_rel_diff, reference_params, trained_params
 from test_security_network import _descendants, _listeners
+
+from allhands.errors import LaunchError
+from allhands.launch.replicas import check_groups, see_logs
 
 
 _SEALED = 48  # MAC and nonce ahead of every value: a stranger reads the value behind them
@@ -81,8 +85,7 @@ class Job:
         finally:
             self.proc.kill()
         time.sleep(0.2)
-        out = "".join(self.lines)
-        return out
+        return "".join(self.lines)
 
 
 def _until(what, job: Job, timeout: float = 180):
@@ -194,3 +197,20 @@ def test_ps_job_in_replica_mode_under_forged_lives_and_done(token_dir, tmp_path,
     _assert_told(out, ["life/0", "slife/0", "life/1"], processes=4)
     _assert_loopback(job, at_least=4)
     _assert_private(run, ["ps-servers", "replicas", "replicas/group-1", "replicas/group-1/ps-worker"], [])
+
+
+def test_a_failed_world_names_the_logs_that_exist(tmp_path):
+    """Every slot failed: the line names the failed slots' own logs directories (a group's under
+    replicas/group-N, a spare's under replicas/spare-K), never a RUN/logs that was not written."""
+    run = tmp_path / "run"
+    (run / "replicas" / "group-1" / "logs").mkdir(parents=True)
+    (run / "replicas" / "spare-0" / "logs").mkdir(parents=True)
+    with pytest.raises(LaunchError) as e:
+        check_groups([1, 2], 2, run, groups=2)
+    assert str(run / "replicas" / "group-1" / "logs") in str(e.value)
+    assert str(run / "replicas" / "spare-0" / "logs") in str(e.value)
+    assert str(run / "logs") + "," not in str(e.value) and not str(e.value).endswith(str(run / "logs"))
+    (run / "ps-servers" / "logs").mkdir(parents=True)
+    assert see_logs([run / "ps-servers", run / "replicas" / "group-1" / "ps-worker"], run) == \
+        str(run / "ps-servers" / "logs")
+    assert see_logs([run / "nowhere"], run) == str(run)

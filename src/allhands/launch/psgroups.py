@@ -25,7 +25,7 @@ from allhands.config import Config
 from allhands.env import PS_ENV
 from allhands.errors import ConfigError, LaunchError
 from allhands.launch import forkstart
-from allhands.launch.replicas import end_slots, start_with_secret
+from allhands.launch.replicas import end_slots, see_logs, start_with_secret
 from allhands.launch.storehost import HostedStore
 
 
@@ -72,10 +72,9 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         end_slots(procs)
         store.close()
     if procs[-1].exitcode != 0 or all(p.exitcode != 0 for p in procs[:-1]):
-        logs = [run_dir / "ps-servers" / "logs", *(group_dir(run_dir, g) / "ps-worker" / "logs"
-                                                    for g in range(workers))]
+        worlds = [run_dir / "ps-servers", *(group_dir(run_dir, g) / "ps-worker" for g in range(workers))]
         raise LaunchError(f"the parameter servers or every worker failed; see the lines above and "
-                          f"the logs under {', '.join(str(d) for d in logs if d.exists()) or run_dir}")
+                          f"{see_logs(worlds, run_dir)}")
 
 
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,

@@ -126,7 +126,7 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
         if master is not None:
             master.close()
     failed = [g for g, p in zip(mine, procs) if p.exitcode != 0]
-    check_groups(failed, len(procs), Path(cfg.run.dir) / "logs", f" of node {spec.node_rank}")
+    check_groups(failed, len(procs), Path(cfg.run.dir), groups, f" of node {spec.node_rank}")
 
 
 def _wait_for_nodes(store: dist.Store, nnodes: int, timeout_s: float) -> None:

@@ -95,13 +95,26 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
         raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
                           stop.exit_code(signum))
     failed = [g for g, p in enumerate(procs) if p.exitcode != 0 and g not in watcher.cut_short]
-    check_groups(failed, len(procs), run_dir / "logs")
+    check_groups(failed, len(procs), run_dir, nproc)
 
 
-def check_groups(failed: list[int], total: int, logs: Path, whose: str = "") -> None:
+def slot_dir(run_dir: Path, slot: int, groups: int) -> Path:
+    """Where slot ``slot`` keeps its logs: its group's directory, or a spare's own."""
+    return group_dir(run_dir, slot) if slot < groups else run_dir / "replicas" / f"spare-{slot - groups}"
+
+
+def see_logs(dirs: list[Path], run_dir: Path) -> str:
+    """The logs directories of ``dirs`` that exist, for a "see" line (the run directory when none
+    does: a world that failed before it logged anything)."""
+    found = [str(d / "logs") for d in dirs if (d / "logs").is_dir()]
+    return ", ".join(found) if found else str(run_dir)
+
+
+def check_groups(failed: list[int], total: int, run_dir: Path, groups: int, whose: str = "") -> None:
     """The end of a replica-mode launch whose slots ``failed`` (of ``total``) exited non-zero:
-    LaunchError when every one did, else a warning line naming them."""
+    LaunchError when every one did (naming their logs), else a warning line naming them."""
     if failed and len(failed) == total:
+        logs = see_logs([slot_dir(run_dir, g, groups) for g in failed], run_dir)
         raise LaunchError(f"every replica group{whose} failed ({', '.join(map(str, failed))}); see the "
                           f"lines above and {logs}")
     if failed:
@@ -168,7 +181,7 @@ def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: s
     os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
     cfg = Config.from_dict(cfg_dict)
     run_dir = Path(cfg.run.dir)
-    where = group_dir(run_dir, group) if group < groups else run_dir / "replicas" / f"spare-{group - groups}"
+    where = slot_dir(run_dir, group, groups)
     where.mkdir(parents=True, exist_ok=True)
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=cfg.run.threads,
