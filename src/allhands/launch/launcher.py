@@ -357,9 +357,7 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
     policy = restart_policy(cfg, spec)
     print(policy.describe(spec.multi_node), file=sys.stderr, flush=True)
-    # The modes that start a launcher per group or world: under the private umask from here, as
-    # everything the single launcher writes is, so that their directories (ps-servers/,
-    # replicas/group-N/) and files (replicas/notices.jsonl) are the user's alone (safefs.py).
+    # A launcher per group or world: their directories and files private from here (safefs.py).
     if cfg.fault.mode == "replica" and cfg.parallel.sync == "ps":  # each ps worker restarts alone
         from allhands.launch.psgroups import run_ps_groups  # start-up time, as below
 
