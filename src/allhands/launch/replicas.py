@@ -8,8 +8,9 @@ live peer (replica/heal.py) instead of everyone restarting from a checkpoint. Wh
 failed at once, each restarts from its own last checkpoint and the quorum forms again among
 them: the restart mode's recovery, kept as the fallback.
 
-The store is a TCPStore on loopback hosted here; every value the workers write to it is MAC'd
-under a secret made for this job (authstore.py), handed to the groups in their environment.
+The store is a TCPStore served on loopback only by a process of its own (storehost.py); every
+value the workers write to it is MAC'd under a secret made for this job (authstore.py), handed to
+the groups in their environment, and a value without a valid MAC is read as absent, not fatal.
 
 Each group's process is a "slot"; ``fault.spares`` more slots start as spares (replica/spares.py).
 A watcher thread here sees a worker's process die within ``WATCH_S`` (its supervisor needs longer:
