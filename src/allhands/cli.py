@@ -13,6 +13,7 @@ import argparse
 import difflib
 import gc
 import importlib.metadata
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -189,9 +190,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from allhands.report import make_report
+    from allhands.trackers import attach_report
 
-    for path in make_report(Path(args.run_dir)):
+    paths = make_report(Path(args.run_dir))
+    for path in paths:
         print(path)
+    attach_report(Path(args.run_dir), paths, os.environ)  # reopens the run's tracker runs
     return 0
 
 

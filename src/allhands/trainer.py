@@ -31,6 +31,7 @@ from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler
 from allhands.job import Job, build_data, build_reference_model, lm_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
+from allhands.trackers import selected
 from allhands.memory import local
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
@@ -244,7 +245,8 @@ class Trainer:
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
-                                progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
+                                progress_s=cfg.log.progress_s, config=cfg.to_dict(),
+                                trackers=selected(cfg.log.trackers, cfg.log.tensorboard))
         if ts.step < r.steps and self.replica is None:  # a replica's share waits for its quorum
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from allhands.config.tree import Config, FaultConfig, ParallelConfig
+from allhands.config.tree import TRACKERS, Config, FaultConfig, ParallelConfig
 from allhands.errors import ConfigError
 
 
@@ -48,6 +48,8 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     _validate_fault(cfg.fault)
     _validate_replica(cfg)
     _check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
+    for t in lg.trackers:
+        _check(t in TRACKERS, "log.trackers", "allowed: " + ", ".join(TRACKERS), t)
     _check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
     _check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
