@@ -25,7 +25,7 @@ from conftest import ALLHANDS, tiny_config
 mlflow = pytest.importorskip("mlflow")
 wandb = pytest.importorskip("wandb")
 
-TRACKED = ["log.trackers=mlflow,wandb", "run.eval_interval=2", "checkpoint.interval=2",
+TRACKED = ["log.tensorboard=true", "log.trackers=tensorboard,mlflow,wandb", "run.eval_interval=2", "checkpoint.interval=2",
            "checkpoint.keep_last=3"]
 # Each tracker's own settings, cleared so that the developer's (a W&B key, a tracking server) do
 # not reach the test; W&B's caches go to the test's directory.
@@ -124,7 +124,7 @@ def test_mlflow_run_holds_every_step_and_the_config(tracked):
     assert [s for s, _ in history(client, run_id, "eval_loss")] == [0, 2, 4]
     params = run.data.params
     assert params["optim.lr"] == "0.01" and params["model.n_embd"] == "32"
-    assert params["log.trackers"] == "['mlflow', 'wandb']"
+    assert params["log.trackers"] == "['tensorboard', 'mlflow', 'wandb']"
     assert params["run.dir"] == str(run_dir)
 
 
@@ -192,6 +192,13 @@ def test_report_plots_become_artifacts(tracked, tmp_path, cli_env):
     assert "artifact" in kinds
     art = next(r.artifact for r in wandb_records(log) if r.WhichOneof("record_type") == "artifact")
     assert sorted(Path(e.path).name for e in art.manifest.contents) == pngs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    assert sorted(events.Tags()["images"]) == sorted(f"report/{Path(p).stem}" for p in pngs)
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (s, pytest.approx(v)) for s, v in sorted(losses(run).items())]
 
 
 def test_a_tracker_not_installed_is_one_line_before_any_worker(token_dir, tmp_path, cli_env):
