@@ -25,8 +25,8 @@ from urllib.parse import urlparse
 from allhands.errors import first_line
 from allhands.safefs import write_private
 
-# the module each tracker imports, and the pip extra that installs it (tensorboard has no extra
-# here: it is the default, and is skipped, as before log.trackers, when it is not installed)
+# The module a tracker needs, named as its pip extra is. TensorBoard is not checked: it is the
+# default, and is skipped when not installed, as it was before log.trackers.
 _MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 IDS_FILE = "trackers.json"
 
@@ -34,8 +34,7 @@ IDS_FILE = "trackers.json"
 def selected(trackers: Sequence[str], tensorboard: bool = True) -> list[str]:
     """The trackers a run logs to: ``log.trackers`` without repeats, less tensorboard when the
     older switch ``log.tensorboard`` is false."""
-    out = [t for t in dict.fromkeys(trackers) if t != "tensorboard" or tensorboard]
-    return out
+    return [t for t in dict.fromkeys(trackers) if t != "tensorboard" or tensorboard]
 
 
 def not_installed(trackers: Sequence[str]) -> str | None:
@@ -192,8 +191,8 @@ class MLflow:
         from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
         from mlflow.tracking import MlflowClient
 
-        # The store the run began in; the default one is kept relative (None: RUN/mlruns), so a
-        # run directory that is moved or copied takes its MLflow run with it.
+        # The store the run began in; None for the default, RUN/mlruns wherever the run directory
+        # is now (MLflow itself keeps the artifacts' location as an absolute path).
         if "tracking_uri" not in entry:
             entry["tracking_uri"] = MLFLOW_TRACKING_URI.get() if MLFLOW_TRACKING_URI.is_set() else None
         uri = entry["tracking_uri"] or (run_dir / "mlruns").resolve().as_uri()
