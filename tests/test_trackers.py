@@ -22,11 +22,8 @@ from allhands.trackers import _CLASSES, selected, tracker_environment
 
 from conftest import ALLHANDS, tiny_config
 
-mlflow = pytest.importorskip("mlflow")
-wandb = pytest.importorskip("wandb")
-
-TRACKED = ["log.tensorboard=true", "log.trackers=tensorboard,mlflow,wandb", "run.eval_interval=2", "checkpoint.interval=2",
-           "checkpoint.keep_last=3"]
+TRACKED = ["log.tensorboard=true", "log.trackers=tensorboard,mlflow,wandb", "run.eval_interval=2",
+           "checkpoint.interval=2", "checkpoint.keep_last=3"]
 # Each tracker's own settings, cleared so that the developer's (a W&B key, a tracking server) do
 # not reach the test; W&B's caches go to the test's directory.
 TRACKER_ENV = ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_BASE_URL", "WANDB_DIR",
@@ -165,7 +162,8 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tracked, token_dir, tmp_p
     assert json.loads((cut / "trackers.json").read_text()) == before
 
     client, run_id = mlflow_run(cut)
-    assert [r.info.run_id for r in client.search_runs([client.get_run(run_id).info.experiment_id])] == [run_id]
+    experiment = client.get_run(run_id).info.experiment_id
+    assert [r.info.run_id for r in client.search_runs([experiment])] == [run_id]  # no second run
     assert [s for s, _ in history(client, run_id, "loss")] == [1, 2, 3, 4, 5, 6]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert client.get_run(run_id).data.params["run.steps"] == "4"  # MLflow keeps the first value
@@ -250,3 +248,18 @@ def test_every_tracker_name_has_a_class():
     from allhands.config.tree import TRACKERS
 
     assert set(_CLASSES) == set(TRACKERS)
+
+
+def test_a_tracker_that_fails_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+    from allhands.trackers import Trackers
+
+    isolate(monkeypatch, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///proc/allhands-mlruns")  # not writable
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    lines: list[str] = []
+    trackers = Trackers(tmp_path, ["mlflow"], {"run": {"name": "t"}}, say=lines.append)
+    trackers.log({"step": 1, "loss": 2.0})
+    trackers.close(finished=True)
+    assert trackers.open == {} and len(lines) == 1
+    assert lines[0].startswith("allhands: warning: mlflow: ")
+    assert lines[0].endswith("; no longer logging to mlflow")
