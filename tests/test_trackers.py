@@ -22,6 +22,9 @@ from allhands.trackers import _CLASSES, selected, tracker_environment
 
 from conftest import ALLHANDS, tiny_config
 
+# `make test` runs on two pytest-xdist workers (--dist loadgroup): one of them trains `tracked`
+pytestmark = pytest.mark.xdist_group("trackers")
+
 TRACKED = ["log.tensorboard=true", "log.trackers=tensorboard,mlflow,wandb", "run.eval_interval=2",
            "checkpoint.interval=2", "checkpoint.keep_last=3"]
 # Each tracker's own settings, cleared so that the developer's (a W&B key, a tracking server) do
