@@ -32,12 +32,12 @@ from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler
 from allhands.job import Job, build_data, build_reference_model, lm_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
-from allhands.trackers import selected
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
 from allhands.stopflag import CleanStop
 from allhands.sync import SyncBuilder, build_sync
+from allhands.trackers import selected
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
