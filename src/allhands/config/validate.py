@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from allhands.config.tree import Config, FaultConfig, ParallelConfig
+from allhands.config.validate_model import validate_model
 from allhands.errors import ConfigError
 
 
@@ -20,12 +21,7 @@ def _check(ok: bool, path: str, allowed: str, value: Any) -> None:
 def validate(cfg: Config, world_size: int | None = None, need_data: bool = True) -> None:
     """Raise ConfigError for the first impossible value. ``world_size`` enables batch checks."""
     m, o, r, p, c, lg, d = cfg.model, cfg.optim, cfg.run, cfg.parallel, cfg.checkpoint, cfg.log, cfg.data
-    for name in ("n_layer", "n_head", "n_embd", "seq_len"):
-        _check(getattr(m, name) >= 1, f"model.{name}", "must be >= 1", getattr(m, name))
-    _check(m.n_embd % m.n_head == 0, "model.n_embd",
-           f"must be divisible by model.n_head={m.n_head}", m.n_embd)
-    _check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)", m.vocab_size)
-    _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)", m.dropout)
+    validate_model(m)
     _check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]", o.min_lr_ratio)
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
