@@ -290,7 +290,7 @@ def replica_group_size(p: ParallelConfig, world_size: int) -> int:
 
 def replica_group_config(cfg: Config) -> Config:
     """The config one replica group's world trains under: its own dp_shard ranks, no replicate
-    dim (the groups meet in the quorum, sync/quorum.py, not in one mesh)."""
+    dim (the groups meet in the quorum, replica/quorum.py, not in one mesh)."""
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1))
 
 
