@@ -12,7 +12,8 @@ import torch
 
 from allhands.config import Config, ConfigError, ModelConfig, apply_override, validate
 from allhands.models import Llama, LlamaConfig
-from allhands.models.build import build_model, family_config, resolve_model, with_preset
+from allhands.models.build import build_model, family_config, with_preset
+from allhands.models.resolve import resolve_model
 from allhands.models.presets import PRESETS, PUBLISHED_PARAMS
 
 

@@ -1,5 +1,5 @@
 """Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``
-(or ``--format hf``: a transformers GPT-2 directory, hf.py), ``checkpoint.init_from`` and
+(or ``--format hf``: a transformers directory of the run's family, hf.py), ``checkpoint.init_from`` and
 :func:`load_weights`, the one way to put saved weights (a .safetensors file, a transformers
 directory or a committed checkpoint directory) into a plain module.
 
@@ -26,12 +26,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from allhands.checkpoint.catalog import committed
-from allhands.checkpoint.hf import is_gpt2_dir, read_gpt2, write_gpt2
+from allhands.checkpoint.hf import write_hf
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
 from allhands.config import load_config, parse_mix
 from allhands.data.tokenizer import EOT, byte_tokenizer_json
 from allhands.errors import CheckpointError, ConfigError, cannot_write
+from allhands.models.hf import is_hf_dir, load_hf
 
 # ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
 _PREFIX = "model.model."
@@ -107,10 +108,11 @@ def _run_tokenizer(cfg) -> tuple[tuple[str, str, int] | None, str]:
     return ((Path(data) / meta["tokenizer_file"]).read_text(), meta["eot_token"], meta["eot"]), ""
 
 
-def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike,
-              step: int | None = None) -> tuple[Path, str]:
-    """Write ``run_dir``'s reference GPT as a transformers GPT-2 directory ``out`` with the
-    tokenizer it was trained with; returns (out, a note when the tokenizer could not be found)."""
+def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
+              max_shard_size: str | int = "5GB") -> tuple[Path, str]:
+    """Write ``run_dir``'s model as a transformers directory ``out`` (sharded above
+    ``max_shard_size``) with the tokenizer it was trained with; returns (out, a note when the
+    tokenizer could not be found)."""
     resolved = Path(run_dir) / "config.resolved.toml"
     if not resolved.is_file():
         raise ConfigError(f"export: {str(run_dir)!r} has no config.resolved.toml; pass a run "
@@ -121,19 +123,19 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike,
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {str(out)!r} is a file; --format hf writes a directory")
-    write_gpt2(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer)
+    write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size)
     return out, note
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Copy saved weights into a plain (not yet parallelized) ``model``: ``path`` is a
-    .safetensors file (``allhands export``), a transformers GPT-2 directory (``allhands export
-    --format hf``, or any GPT-2 of the reference GPT's shape) or a committed checkpoint directory. Every parameter
-    and buffer must be there with its shape."""
+    .safetensors file (``allhands export``), a transformers directory of the model's family
+    (``allhands export --format hf``, or one from the Hub: models/hf.py reads it tensor by tensor)
+    or a committed checkpoint directory. Every parameter and buffer must be there with its shape."""
+    if is_hf_dir(Path(path)):
+        return load_hf(model, Path(path))
     own = model.state_dict()
-    if is_gpt2_dir(Path(path)):
-        sd = read_gpt2(Path(path), own)
-    elif Path(path).is_dir():
+    if Path(path).is_dir():
         sd = checkpoint_weights(Path(path))
     else:
         try:

@@ -164,7 +164,8 @@ class CheckpointConfig:
     interval: int = _f(100, "save every this many steps; 0 saves only at the end")
     keep_last: int = _f(2, "committed checkpoints to keep, >= 1")
     at_end: bool = _f(True, "save a checkpoint after the last step")
-    init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
+    init_from: str = _f("", "start a new run from these weights: .safetensors from `allhands export`, or a "
+                            "transformers directory, whose config.json then sets the model section")
 
     mode: str = _f("async", "async (only the copy to host memory blocks the step) or sync")
     max_overhead: float = _f(0.0, "0 = save every `interval` steps; > 0: save every smallest multiple "

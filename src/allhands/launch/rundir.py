@@ -15,7 +15,7 @@ from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
 from allhands.errors import AllhandsError, ConfigError, cannot_write
 from allhands.jobcheck import check_token_data
-from allhands.models.build import resolve_model
+from allhands.models.resolve import resolve_model
 from allhands.safefs import owner_problem, write_private
 
 

@@ -1,18 +1,13 @@
 """From the ``model`` config section to a module: the family's own config dataclass
 (``GPTConfig`` or ``LlamaConfig``) and the plain single-device model, and the other way, so a
-model read from a transformers directory is recorded in the run's config.
-
-``resolve_model`` settles what the section names before a run starts: a preset's shape, or the
-shape of the transformers directory in ``checkpoint.init_from``; the result is what
-config.resolved.toml records, so a resumed run builds the same model.
-"""
+model read from a transformers directory is recorded in the run's config."""
 
 from __future__ import annotations
 
 import dataclasses
 import torch.nn as nn
 
-from allhands.config import Config, ModelConfig
+from allhands.config import ModelConfig
 from allhands.models.gpt import GPT, GPTConfig
 from allhands.models.llama import Llama, LlamaConfig
 from allhands.models.presets import preset
@@ -75,9 +70,3 @@ def with_preset(m: ModelConfig) -> ModelConfig:
         if getattr(m, k) == getattr(default, k):
             setattr(out, k, v)
     return out
-
-
-def resolve_model(cfg: Config) -> Config:
-    """``cfg`` with its model section settled: the preset's values filled in. Raises ConfigError."""
-    model = with_preset(cfg.model)
-    return cfg if model == cfg.model else dataclasses.replace(cfg, model=model)
