@@ -3,19 +3,12 @@ Preset names and transformers directories are resolved above this layer (models/
 
 from __future__ import annotations
 
-from typing import Any
-
+from allhands.config.check import check as _check
 from allhands.config.tree import ModelConfig
-from allhands.errors import ConfigError
 
 FAMILIES = ("gpt", "llama")
 ACTIVATIONS = ("gelu", "gelu_new")
 ROPE_SCALINGS = ("", "llama3")
-
-
-def _check(ok: bool, path: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{path}: {value!r} is not allowed; {allowed}")
 
 
 def validate_model(m: ModelConfig) -> None:
