@@ -123,3 +123,61 @@ def test_an_unsupported_field_is_one_line_naming_it(tmp_path, name, edit, field)
     msg = str(e.value)
     assert msg.startswith("checkpoint.init_from: config.json ") and f" {field}=" in msg, msg
     assert "\n" not in msg
+
+
+def _sharded_rank(rank: int, src: str, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from allhands.models.build import build_model
+    from allhands.models.hf import HFReader, hf_config, load_hf, local_block
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    reads: list[tuple] = []  # (name, [(start, stop) per dimension] or None) of every read
+    real = HFReader.read
+    HFReader.read = lambda self, name, index=None: reads.append(
+        (name, index and [(i.start, i.stop) for i in index])) or real(self, name, index)
+    fc, _ = hf_config(src)
+    with torch.device("meta"):
+        model = build_model(fc)
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_hf(model, src)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    HFReader.read = real
+    # a column-sharded tensor (tensor parallel's row-wise split of o_proj) reads its columns
+    name = "model.layers.0.self_attn.o_proj.weight"
+    col = distribute_tensor(torch.zeros(fc.dim, fc.dim), mesh, [Shard(1)])
+    local, index = local_block(col)
+    local.copy_(HFReader(src).read(name, index))
+    cols, o_proj = (index[1].start, index[1].stop), col.full_tensor()
+    if rank == 0:
+        torch.save({"full": full, "reads": reads, "o_proj": o_proj, "cols": cols}, out)
+    dist.destroy_process_group()
+
+
+def test_each_rank_reads_only_its_own_slices(tmp_path):
+    import torch.multiprocessing as mp
+
+    from allhands.models.hf import HFReader
+
+    hf, src = _saved(tmp_path, "qwen2")
+    mp.spawn(_sharded_rank, args=(str(src), str(tmp_path / "store"), str(tmp_path / "out.pt")),
+             nprocs=2, join=True)
+    got = torch.load(tmp_path / "out.pt")
+    want = from_hf(src).state_dict()
+    for k, v in want.items():
+        assert torch.equal(got["full"][k], v), k
+    shapes = {n: HFReader(src).shape(n) for n in HFReader(src).names()}
+    assert got["reads"] and all(index is not None for _, index in got["reads"])
+    for name, index in got["reads"]:  # rank 0 asked for the first half of every dimension 0
+        assert index[0] == (0, -(-shapes[name][0] // 2)), (name, index)
+    assert got["cols"] == (0, 16)
+    assert torch.equal(got["o_proj"], load_file(str(src / "model.safetensors"))[
+        "model.layers.0.self_attn.o_proj.weight"])
