@@ -181,3 +181,48 @@ def test_each_rank_reads_only_its_own_slices(tmp_path):
     assert got["cols"] == (0, 16)
     assert torch.equal(got["o_proj"], load_file(str(src / "model.safetensors"))[
         "model.layers.0.self_attn.o_proj.weight"])
+
+
+def test_train_from_a_transformers_llama_then_export_it(tmp_path, token_dir):
+    """`allhands train` with checkpoint.init_from = a saved Llama (no model section), 2 steps on
+    2 workers, then `allhands export --format hf`, which transformers loads."""
+    from allhands.checkpoint import committed
+    from allhands.checkpoint.export import checkpoint_weights
+    from allhands.cli import main
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**COMMON, "vocab_size": 300}, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                    "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 16})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    items = [f"{k}" for k in ("run.steps=2", "optim.warmup_steps=0")]
+    c = tiny_config(token_dir, run, f"checkpoint.init_from={tmp_path / 'hf'}", *items)
+    args = ["train", "--nproc", "2"] + [a for item in _sets(c) for a in ("--set", item)]
+    assert main(args) == 0
+    resolved = (run / "config.resolved.toml").read_text()
+    assert 'family = "llama"' in resolved and "n_kv_head = 2" in resolved and 'rope_scaling = "llama3"' in resolved
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert type(back).__name__ == "LlamaForCausalLM" and back.config.rope_parameters["rope_type"] == "llama3"
+    trained = checkpoint_weights(committed(run / "checkpoints")[-1][1])
+    start = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    got = back.state_dict()
+    assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], trained["blocks.0.mlp.up_proj.weight"])
+    assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+
+
+def _sets(cfg) -> list[str]:
+    """``--set`` items of every field that differs from the defaults."""
+    from allhands.config import Config
+
+    out, default = [], Config()
+    for section, fields in cfg.to_dict().items():
+        for name, value in fields.items():
+            if getattr(getattr(default, section), name) != value:
+                v = json.dumps(value) if not isinstance(value, str) else value
+                out.append(f"{section}.{name}={v}")
+    return out
