@@ -226,3 +226,28 @@ def _sets(cfg) -> list[str]:
                 v = json.dumps(value) if not isinstance(value, str) else value
                 out.append(f"{section}.{name}={v}")
     return out
+
+
+@pytest.mark.parametrize("layout", [(), ("parallel.dp_shard=2", "parallel.dp_replicate=1", "parallel.zero=3"),
+                                    ("parallel.pp=2", "parallel.pp_split=blocks.1")],
+                         ids=["ddp", "fsdp", "pp"])
+def test_init_from_fills_every_layout_with_the_file(tmp_path, token_dir, layout):
+    """Each rank loads its cut of the model (whole, FSDP shards, a pipeline stage) from the
+    directory; after one step at lr 1e-9 the weights are still the file's."""
+    from allhands.checkpoint import committed
+    from allhands.checkpoint.export import checkpoint_weights
+    from allhands.launch.launcher import LaunchSpec, train_job
+    from allhands.models.llama_hf import hf_name
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(**{**COMMON, "vocab_size": 300}, head_dim=16)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    c = tiny_config(token_dir, tmp_path / "run", f"checkpoint.init_from={tmp_path / 'hf'}",
+                    "run.steps=1", "optim.name=sgd", "optim.lr=1e-9", "optim.warmup_steps=0", *layout)
+    train_job(c, LaunchSpec(nproc=2))
+    trained = checkpoint_weights(committed(tmp_path / "run" / "checkpoints")[-1][1])
+    file = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert len(trained) == len(file)
+    for k, v in trained.items():
+        assert torch.allclose(v, file[hf_name(k)], atol=1e-6, rtol=0), k
