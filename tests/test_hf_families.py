@@ -213,6 +213,15 @@ def test_train_from_a_transformers_llama_then_export_it(tmp_path, token_dir):
     got = back.state_dict()
     assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], trained["blocks.0.mlp.up_proj.weight"])
     assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    # the resolved config alone builds the model (no init_from), and a resume continues the run
+    from allhands.config import load_config
+    from allhands.trainer import build_reference_model
+
+    alone = load_config(run / "config.resolved.toml", ["checkpoint.init_from="])
+    shapes = {k: v.shape for k, v in build_reference_model(alone, 257).state_dict().items()}
+    assert shapes == {k: v.shape for k, v in trained.items()}
+    assert main(["train", "--resume", str(run), "--set", "run.steps=4"]) == 0
+    assert len(committed(run / "checkpoints")) >= 1 and committed(run / "checkpoints")[-1][0] == 4
 
 
 def _sets(cfg) -> list[str]:
