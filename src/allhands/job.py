@@ -1,5 +1,5 @@
 """What a user brings to a run (model, data, loss, tensor-parallel plan) and the defaults that
-stand in for what they leave out: the reference GPT, the token shards and the LM loss."""
+stand in for what they leave out: the reference model, the token shards and the LM loss."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from allhands.config import Config
 from allhands.data import load_training_data
-from allhands.models import GPT, GPTConfig
+from allhands.models.build import build_model, family_config, with_preset
 
 ModelFn = Callable[[Config], nn.Module]
 DataFn = Callable[[Config], Any]
@@ -34,11 +34,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
-def build_reference_model(cfg: Config, vocab_size: int) -> GPT:
-    m = cfg.model
-    return GPT(GPTConfig(vocab_size=m.vocab_size or vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                         tie_embeddings=m.tie_embeddings))
+def build_reference_model(cfg: Config, vocab_size: int) -> nn.Module:
+    """The model ``cfg.model`` names (the reference GPT or a Llama-family decoder); a preset
+    still unresolved is resolved here (models/build.py)."""
+    return build_model(family_config(with_preset(cfg.model), vocab_size))
 
 
 def build_data(cfg: Config, job: Job):

@@ -34,15 +34,35 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    """The reference GPT decoder (ignored when the Python API is given its own model)."""
+    """The decoder a run trains: the reference GPT or the Llama family (ignored when the Python
+    API is given its own model; taken from config.json when checkpoint.init_from is a transformers
+    directory)."""
 
+    family: str = _f("gpt", "gpt (the reference GPT-2-style decoder) or llama (Llama 2/3, Mistral, Qwen2, Qwen3)")
+    preset: str = _f("", "a named shape, e.g. llama3-8b, qwen3-0.6b (docs/models.md); fields left at "
+                         "their default take the preset's value")
     n_layer: int = _f(4, "number of transformer blocks")
     n_head: int = _f(4, "attention heads per block")
-    n_embd: int = _f(128, "embedding width; must be divisible by n_head")
+    n_embd: int = _f(128, "embedding width; must be divisible by n_head unless head_dim is set")
+    n_kv_head: int = _f(0, "llama: key/value heads (grouped-query attention), dividing n_head; 0 = n_head")
+    head_dim: int = _f(0, "llama: width of one attention head; 0 = n_embd / n_head")
+    ffn_hidden: int = _f(0, "feed-forward width; 0 = 4 n_embd (gpt) or 8/3 n_embd rounded up to 64 (llama)")
+    norm_eps: float = _f(1e-5, "epsilon of the layer norms (gpt) or RMSNorms (llama), > 0")
+    activation: str = _f("gelu", "gpt: gelu (exact erf) or gelu_new (GPT-2's tanh approximation)")
+    rope_theta: float = _f(10000.0, "llama: RoPE base frequency, > 0")
+    rope_scaling: str = _f("", "llama: RoPE frequency scaling: empty (none) or llama3 (Llama 3.1+)")
+    rope_factor: float = _f(8.0, "llama: llama3 scaling factor, > 0")
+    rope_low_freq_factor: float = _f(1.0, "llama: llama3 scaling low_freq_factor, > 0")
+    rope_high_freq_factor: float = _f(4.0, "llama: llama3 scaling high_freq_factor, > low_freq_factor")
+    rope_original_seq_len: int = _f(8192, "llama: llama3 scaling original_max_position_embeddings, >= 1")
+    qkv_bias: bool = _f(False, "llama: bias on the q, k and v projections (Qwen2)")
+    qk_norm: bool = _f(False, "llama: RMSNorm over each query and key head (Qwen3)")
+    max_positions: int = _f(0, "positions the model is meant for, written as config.json's "
+                               "max_position_embeddings on export; 0 = seq_len")
     seq_len: int = _f(128, "context length in tokens (also the training sample length)")
     vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
-    dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
-    bias: bool = _f(True, "use bias in linear layers and layer norms")
+    dropout: float = _f(0.0, "gpt: dropout probability in attention and MLP, in [0, 1) (llama: 0)")
+    bias: bool = _f(True, "gpt: use bias in linear layers and layer norms (llama: see qkv_bias)")
     tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2), also across pp stages")
 
 
@@ -144,7 +164,8 @@ class CheckpointConfig:
     interval: int = _f(100, "save every this many steps; 0 saves only at the end")
     keep_last: int = _f(2, "committed checkpoints to keep, >= 1")
     at_end: bool = _f(True, "save a checkpoint after the last step")
-    init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
+    init_from: str = _f("", "start a new run from these weights: .safetensors from `allhands export`, or a "
+                            "transformers directory, whose config.json then sets the model section")
 
     mode: str = _f("async", "async (only the copy to host memory blocks the step) or sync")
     max_overhead: float = _f(0.0, "0 = save every `interval` steps; > 0: save every smallest multiple "
