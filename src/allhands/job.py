@@ -3,6 +3,7 @@ stand in for what they leave out: the reference model, the token shards and the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -10,8 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allhands.config import Config
+from allhands.config import Config, parse_mix
 from allhands.data import load_training_data
+from allhands.data.shards import load_meta
 from allhands.models.build import build_model, family_config, with_preset
 
 ModelFn = Callable[[Config], nn.Module]
@@ -37,7 +39,16 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_reference_model(cfg: Config, vocab_size: int) -> nn.Module:
     """The model ``cfg.model`` names (the reference GPT or a Llama-family decoder); a preset
     still unresolved is resolved here (models/build.py)."""
-    return build_model(family_config(with_preset(cfg.model), vocab_size))
+    fc = family_config(with_preset(cfg.model), vocab_size)
+    if cfg.data.packing == "mask":  # rows of packed documents: the model masks by their end token
+        fc = dataclasses.replace(fc, doc_token=document_token(cfg))
+    return build_model(fc)
+
+
+def document_token(cfg: Config) -> int:
+    """The end-of-document token id of the job's prepared data (every source of a mix shares it)."""
+    path = parse_mix(cfg.data.mix)[0][0] if cfg.data.mix else cfg.data.path
+    return int(load_meta(path)["eot"])
 
 
 def build_data(cfg: Config, job: Job):

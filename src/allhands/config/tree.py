@@ -75,6 +75,10 @@ class DataConfig:
                       "(same tokenizer; instead of data.path)")
     seed: int = _f(1234, "seed of the sample order; the order is independent of the worker count")
     eval_batches: int = _f(4, "global eval batches drawn from the held-out split per evaluation")
+    packing: str = _f("concat", "how documents become rows: concat (windows of the token stream, "
+                                "across documents), mask (whole documents packed into rows, "
+                                "attention and positions kept inside each; model.family=llama), "
+                                "pad (one document a row)")
 
 
 @dataclass
