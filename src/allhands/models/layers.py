@@ -83,19 +83,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
-def document_mask(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ``(B, T)`` that restart at each document of a packed row, and the attention
-    mask ``(B, 1, T, T)`` (True: may attend) that keeps each token inside its own document and
-    causal. A document ends with ``doc_token``, which still belongs to it (data/packing.py)."""
-    T = idx.shape[1]
-    ar = torch.arange(T, device=idx.device)
+def document_positions(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of packed rows ``idx`` ``(B, T)``: its position in its document (restarting at
+    each document) and its document's index in the row. A document ends with ``doc_token``,
+    which still belongs to it (data/packing.py)."""
+    ar = torch.arange(idx.shape[1], device=idx.device)
     ends = idx == doc_token
     seg = torch.cumsum(ends, dim=1) - ends.long()  # documents ended before each token
     starts = torch.ones_like(ends)
     starts[:, 1:] = ends[:, :-1]  # a token right after an end starts a document
     first = torch.cummax(torch.where(starts, ar, torch.zeros_like(ar)), dim=1).values
+    return ar - first, seg
+
+
+def document_mask(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``(B, T)`` that restart at each document of a packed row, and the attention
+    mask ``(B, 1, T, T)`` (True: may attend) that keeps each token inside its own document and
+    causal."""
+    T = idx.shape[1]
+    pos, seg = document_positions(idx, doc_token)
     same = seg[:, :, None] == seg[:, None, :]
-    return ar - first, (same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None]
+    return pos, (same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None]
 
 
 class Attention(nn.Module):

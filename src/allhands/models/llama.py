@@ -131,8 +131,9 @@ class Llama(nn.Module):
         """``idx``: token ids ``(B, T)``, or on a later pipeline stage the hidden state
         ``(B, T, C)``; ``positions``: ``(B, T)`` position of each token (default ``0 .. T-1``)."""
         T, mask = idx.shape[1], None
-        if self.cfg.doc_token >= 0 and self.tok_emb is not None:
-            # packed documents: positions restart and attention stays inside each document
+        if self.cfg.doc_token >= 0 and self.tok_emb is not None and positions is None:
+            # packed documents: positions restart and attention stays inside each document (under
+            # context parallelism the layout passes positions and masks attention itself)
             positions, mask = document_mask(idx, self.cfg.doc_token)
         if T > self.cfg.seq_len and positions is None:
             raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
