@@ -31,3 +31,19 @@ def test_cp2_trains_the_llama_family_like_one_process(token_dir, tmp_path):
 def test_cp2_under_fsdp_trains_like_one_process(token_dir, tmp_path):
     cfg = tiny_config(token_dir, tmp_path / "run", *LLAMA, "parallel.cp=2", "parallel.zero=3")
     assert_matches_reference(train_job(cfg, LaunchSpec(nproc=2)), "cp=2 under FSDP (ZeRO-3)")
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1(token_dir, tmp_path):
+    """DCP reshards: the step-2 checkpoint of a cp=2 run (FSDP over dp_shard x cp) resumes on one
+    process, and the run ends where one process trained from the start would."""
+    import shutil
+
+    cfg = tiny_config(token_dir, tmp_path / "run", *LLAMA, "parallel.cp=2", "parallel.zero=3",
+                      "checkpoint.interval=2")
+    done = train_job(cfg, LaunchSpec(nproc=2))
+    cut = tmp_path / "cut"
+    shutil.copytree(done.run.dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-00000004")
+    one = tiny_config(token_dir, cut, *LLAMA, "checkpoint.interval=2")
+    resumed = train_job(one, LaunchSpec(nproc=1), resume=str(cut))
+    assert_matches_reference(resumed, "cp=2 -> cp=1 resume")

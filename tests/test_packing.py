@@ -32,7 +32,7 @@ def test_positions_restart_and_attention_stays_in_its_document():
     idx = torch.tensor([[1, 2, EOT, 3, 4, 5, EOT, 6]])
     pos, mask = document_mask(idx, EOT)
     assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
-    m = mask[0, 0]
+    m = mask[0, 0] == 0  # additive: 0 where attention is allowed, -inf elsewhere
     assert m[4].tolist() == [False, False, False, True, True, False, False, False]
     assert m[2].tolist() == [True, True, True, False, False, False, False, False]  # its end token is its own
 

@@ -96,14 +96,20 @@ def document_positions(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor,
     return ar - first, seg
 
 
+def additive(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as SDPA's additive float mask (0 or -inf),
+    made once per forward: given a boolean one, SDPA on CPU converts it to float in every layer
+    and each layer's copy is kept for backward (measured: T x T x 4 bytes a layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def document_mask(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ``(B, T)`` that restart at each document of a packed row, and the attention
-    mask ``(B, 1, T, T)`` (True: may attend) that keeps each token inside its own document and
-    causal."""
+    """Positions ``(B, T)`` that restart at each document of a packed row, and the additive
+    attention mask ``(B, 1, T, T)`` that keeps each token inside its own document and causal."""
     T = idx.shape[1]
     pos, seg = document_positions(idx, doc_token)
     same = seg[:, :, None] == seg[:, None, :]
-    return pos, (same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None]
+    return pos, additive((same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None])
 
 
 class Attention(nn.Module):

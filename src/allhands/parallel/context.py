@@ -33,7 +33,7 @@ from torch.distributed.nn.functional import all_gather
 from torch.overrides import TorchFunctionMode
 
 from allhands.mesh import Mesh
-from allhands.models.layers import document_positions
+from allhands.models.layers import additive, document_positions
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -69,7 +69,6 @@ class _GatheredAttention(TorchFunctionMode):
         k, v = torch.cat(all_gather(torch.stack([k, v]), group=o.group), dim=3).unbind(0)
         kwargs.pop("is_causal", None)
         kwargs["attn_mask"] = o.mask  # causal over global positions, inside each document
-        o.gathered_bytes += 2 * k.numel() * k.element_size() * (o.size - 1) // o.size
         return func(q, k, v, *args[3:], **kwargs)
 
 
@@ -80,7 +79,6 @@ class ContextParallel:
         self.group, self.size, self.rank = mesh.group("cp"), mesh.size("cp"), mesh.local_rank("cp")
         self.doc_token = doc_token
         self.mask: torch.Tensor | None = None
-        self.gathered_bytes = 0  # keys and values received, for the communication benchmark
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """This rank's tokens and targets of full rows ``x``, ``y`` and the keyword arguments the
@@ -95,7 +93,7 @@ class ContextParallel:
         # query i (global position mine[i]) may see gathered key j (global position held[j])
         causal = held[None, :] <= mine[:, None]
         same = seg[:, mine][:, :, None] == seg[:, held][:, None, :]
-        self.mask = (causal[None] & same)[:, None]
+        self.mask = additive((causal[None] & same)[:, None])
         return x[:, mine], y[:, mine], {"positions": pos[:, mine]}
 
     @contextlib.contextmanager
