@@ -28,7 +28,8 @@ from allhands.flops import StepFlops
 from allhands.env import worker_env
 from allhands.heartbeat import Heartbeat
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
-from allhands.job import Job, build_data, build_reference_model, lm_loss
+from allhands.data.examples import valid_targets
+from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, default_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
 from allhands.memory import local
@@ -61,7 +62,7 @@ class Trainer:
         if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
             load_weights(raw, cfg.checkpoint.init_from)
         seed_rank(r.seed, mesh.rank)
-        self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
+        self.loss_fn = checked_loss(job.loss) if job.loss else default_loss(self.train_ds)
         self.strategy, self.sync_note = build_sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
@@ -165,19 +166,33 @@ class Trainer:
             for b in range(self.cfg.data.eval_batches):
                 idx = self.val_sampler.local_micro_batches(b, self.mesh.dp_rank, self.mesh.dp_size, 1)[0]
                 x, y = self._to_device(collate(self.val_ds, idx))
+                weight = self._begin_loss(self.val_ds, idx, calls=1)
                 loss = self.layout.eval_loss(x, y)
                 if self.layout.reports_loss:
-                    total[0] += float(loss) * len(idx)
-                    total[1] += len(idx)
+                    total[0] += float(loss) * weight
+                    total[1] += weight
         self.layout.train()
         # one contribution per data-parallel rank: from its rank that reports_loss
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
+    def _begin_loss(self, ds, indices: list[int], calls: int) -> int:
+        """Weight of a batch of ``indices`` in a mean: its unmasked targets under the token
+        mean (which is told them, and its ``calls`` times the pipeline's), else its samples."""
+        if not isinstance(self.loss_fn, TokenMeanLoss):
+            return len(indices)
+        n = valid_targets(ds, indices)
+        pipeline = self.layout.pipeline
+        self.loss_fn.begin(n, calls * (pipeline.n_microbatches if pipeline is not None else 1))
+        return n
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.cfg.run
         micro = self.sampler.local_micro_batches(step, self.mesh.dp_rank, self.mesh.dp_size,
                                                  r.micro_batches)
+        if isinstance(self.loss_fn, TokenMeanLoss):  # every rank counts the whole global batch
+            self._begin_loss(self.train_ds, self.sampler.global_batch_indices(step),
+                             calls=self.mesh.dp_size * r.micro_batches)
         loss_sum = torch.zeros((), device=self.mesh.device)
         first, self._first = self._first, None  # fit read this step's first micro-batch ahead
         for i, idx in enumerate(micro):

@@ -1,0 +1,230 @@
+"""Fine-tuning data: a transformers tokenizer directory (tokenizer.json + tokenizer_config.json)
+for `prepare` and training, and instruction rows whose loss is on the responses only.
+
+The tokenizer is a small byte-level BPE trained here with the tokenizers library, saved into a
+directory with a ChatML chat template, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from allhands.data import GlobalSampler, load_token_splits, load_training_data
+from allhands.data.corpus import prepare_corpus
+from allhands.data.examples import IGNORE
+from allhands.data.tokenizer import HFTokenizer
+from allhands.job import TokenMeanLoss, lm_loss
+from allhands.launch.launcher import LaunchSpec, train_job
+
+from conftest import ALLHANDS, tiny_config
+from test_parity import assert_resume_bit_exact, max_rel_diff, reference_params, trained_params
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+WORDS = ("the cat sat on a mat and we saw two red birds fly over green hills while "
+         "one small dog ran home").split()
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+
+
+def make_tokenizer_dir(d: Path, template: str | None = CHATML, **config) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["user assistant system"] * 5, trainer=trainer)
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    cfg = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **config}
+    if template is not None:
+        cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def sentence(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def rows(n: int, seed: int = 0) -> list[dict]:
+    """Prompt/response rows and chat rows, alternating, of uneven lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append({"prompt": f"Q: {sentence(rng, 1, 6)}\nA:", "response": " " + sentence(rng, 1, 8)})
+        else:
+            msgs = [{"role": "user", "content": sentence(rng, 1, 5)},
+                    {"role": "assistant", "content": sentence(rng, 1, 6)}]
+            if i % 4 == 0:
+                msgs = [{"role": "system", "content": "be brief"}, *msgs,
+                        {"role": "user", "content": sentence(rng, 1, 3)},
+                        {"role": "assistant", "content": sentence(rng, 1, 3)}]
+            out.append({"messages": msgs})
+    return out
+
+
+def write_jsonl(path: Path, items: list) -> Path:
+    path.write_text("".join((json.dumps(r) if not isinstance(r, str) else r) + "\n" for r in items))
+    return path
+
+
+def loss_text(tok: HFTokenizer, y: torch.Tensor) -> str:
+    return tok.decode([int(t) for t in y if t != IGNORE])
+
+
+def expected_loss_text(row: dict) -> str:
+    if "messages" in row:
+        return "".join(m["content"] + "<|im_end|>\n" for m in row["messages"] if m["role"] == "assistant")
+    return row["response"] + "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tok") / "hf")
+
+
+@pytest.fixture(scope="module")
+def instruct_dir(tok_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("instruct")
+    src = write_jsonl(root / "rows.jsonl", rows(60))
+    prepare_corpus([str(src)], root / "out", tokenizer=str(tok_dir), val_fraction=0.1)
+    return root / "out"
+
+
+def test_exactly_the_responses_carry_loss(tok_dir, tmp_path):
+    data = rows(20, seed=1)
+    src = write_jsonl(tmp_path / "rows.jsonl", data)
+    meta = prepare_corpus([str(src)], tmp_path / "out", tokenizer=str(tok_dir), val_fraction=0.1)
+    assert meta["kind"] == "instruct" and meta["chat_template"] == "tokenizer"
+    assert meta["eot_token"] == "<|im_end|>"  # the config's eos_token, not <|endoftext|>
+    train, val, _ = load_token_splits(tmp_path / "out", seq_len=256)
+    assert (len(train), len(val)) == (18, 2)
+    tok = HFTokenizer(tmp_path / "out")  # the prepared directory is a tokenizer directory too
+    for i, row in enumerate(data):
+        x, y = (train[i] if i < 18 else val[i - 18])
+        assert loss_text(tok, y) == expected_loss_text(row), f"row {i}"
+        n = int((y != IGNORE).sum())
+        assert (train if i < 18 else val).valid_targets([i if i < 18 else i - 18]) == n
+        if "prompt" in row:  # the whole example, then padding (the pad token) with no loss
+            assert tok.decode(x[x != meta["pad"]].tolist()) == row["prompt"] + row["response"] + "<|im_end|>"
+            assert bool((y[x == meta["pad"]] == IGNORE).all())
+
+
+def test_a_long_example_is_cut_to_seq_len(instruct_dir):
+    train, _, _ = load_token_splits(instruct_dir, seq_len=4)
+    x, y = train[1]
+    assert x.shape == y.shape == (4,)
+    assert torch.equal(x[1:], torch.where(y[:-1] == IGNORE, x[1:], y[:-1]))  # y is x shifted
+
+
+def test_default_template_and_bos_from_the_config(tmp_path):
+    tok_dir = make_tokenizer_dir(tmp_path / "hf", template=None, bos_token="<s>", add_bos_token=True)
+    row = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a dog"}]}
+    src = write_jsonl(tmp_path / "rows.jsonl", [row, row, {"prompt": "sat", "response": " on"}])
+    meta = prepare_corpus([str(src)], tmp_path / "out", tokenizer=str(tok_dir), val_fraction=0.4)
+    assert meta["chat_template"] == "default" and meta["bos"] == [3]
+    train, val, _ = load_token_splits(tmp_path / "out", seq_len=64)
+    tok = HFTokenizer(tok_dir)
+    x, y = train[0]
+    assert int(x[0]) == 3  # <s>, as add_bos_token says
+    assert tok.decode(x[x != meta["pad"]].tolist()).startswith("<s><|user|>\nthe cat<|im_end|>\n<|assistant|>\n")
+    assert loss_text(tok, y) == "a dog<|im_end|>\n"  # Zephyr's layout: content, eos, newline
+    x, y = val[0]
+    assert int(x[0]) == 3 and loss_text(tok, y) == " on<|im_end|>"
+
+
+def test_text_prepare_with_a_tokenizer_dir(tmp_path):
+    tok_dir = make_tokenizer_dir(tmp_path / "hf", bos_token="<s>", add_bos_token=True)
+    docs = [sentence(random.Random(k), 30, 60) for k in range(12)]
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    meta = prepare_corpus([str(src)], tmp_path / "out", tokenizer=str(tok_dir), workers=1,
+                          progress=False)
+    assert "kind" not in meta and meta["eot_token"] == "<|im_end|>" and meta["bos"] == [3]
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    tok = HFTokenizer(tok_dir)
+    train, val, _ = load_token_splits(tmp_path / "out", seq_len=8)
+    stream = [int(t) for split in (train, val) for shard in split.maps for t in shard]
+    assert tok.decode(stream) == "".join(f"<s>{d}<|im_end|>" for d in docs)
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "hi"}, "has no messages or prompt and response fields (it has: prompt)"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+     "message 1 has role 'bot'; allowed: system, user, assistant, tool"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+    ({"prompt": "hi", "response": 3}, "field 'response' is a int, not text"),
+])
+def test_a_malformed_row_is_one_line_naming_file_and_line(tok_dir, tmp_path, cli_env, row, message):
+    good = {"prompt": "a", "response": "b"}
+    src = write_jsonl(tmp_path / "rows.jsonl", [good, "", good, row, good])
+    p = subprocess.run([*ALLHANDS, "prepare", str(src), "--tokenizer", str(tok_dir),
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, env=cli_env)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert f"{str(src)!r} line 4" in lines[0] and message in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_mean_is_the_global_mean_over_unmasked_targets():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, 11)
+    y = torch.randint(0, 11, (6, 5))
+    y[y % 3 == 0] = IGNORE  # uneven: the two halves hold different numbers of targets
+    loss = TokenMeanLoss()
+    loss.begin(int((y != IGNORE).sum()), calls=2)
+    halves = [loss(logits[:3], y[:3]), loss(logits[3:], y[3:])]
+    assert torch.allclose(sum(halves) / 2, lm_loss(logits, y), atol=1e-6)
+    naive = (lm_loss(logits[:3], y[:3]) + lm_loss(logits[3:], y[3:])) / 2
+    assert abs(float(naive - lm_loss(logits, y))) > 1e-3  # why the per-half mean is not used
+
+
+FT = ["model.seq_len=48", "run.threads=1", "checkpoint.interval=2"]
+
+
+def test_masked_data_parallel_matches_single_process(instruct_dir, tmp_path):
+    # SGD, as the other parity tests of a new loss: Adam's first update of a position embedding
+    # that a step's batch reaches once is sign(g) * lr, which turns rounding noise into a
+    # parameter difference; SGD keeps the comparison about the loss's arithmetic
+    cfg = tiny_config(instruct_dir, tmp_path / "run", *FT, "run.micro_batches=2", "optim.name=sgd",
+                      "optim.lr=0.5")
+    train, _, vocab = load_training_data(cfg)
+    assert vocab == json.loads((instruct_dir / "meta.json").read_text())["vocab_size"] != 257
+    assert train.masked_targets
+    done = train_job(cfg, LaunchSpec(nproc=2))
+    ref = reference_params(done)  # one process, lm_loss over each whole global batch
+    got = trained_params(done)
+    assert max_rel_diff(got, ref) <= 1e-5
+    # the test can fail: a mean per rank's half of each batch trains to other parameters
+    assert max_rel_diff(reference_params(done, shares=2), ref) > 1e-4
+    torch.manual_seed(done.run.seed)
+    # the evaluation is the global token mean as well: rank 0's and rank 1's val halves
+    # weighted by their unmasked targets
+    from allhands.job import build_reference_model
+
+    model = build_reference_model(done, vocab)
+    model.load_state_dict(got)
+    _, val, _ = load_training_data(done)
+    idx = GlobalSampler(len(val), done.run.global_batch, done.data.seed + 1).global_batch_indices(0)
+    x, y = torch.utils.data.default_collate([val[i] for i in idx])
+    with torch.no_grad():
+        want = float(lm_loss(model.eval()(x), y))
+    logged = [json.loads(line) for line in (Path(done.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    last = [r["eval_loss"] for r in logged if "eval_loss" in r][-1]
+    assert abs(last - want) <= 1e-5 * max(1.0, abs(want))
+
+
+def test_masked_data_resumes_bit_exact(instruct_dir, tmp_path):
+    cfg = tiny_config(instruct_dir, tmp_path / "run", *FT)
+    assert_resume_bit_exact(cfg, 2, tmp_path, drop_step=4, label="resume on instruction data")
