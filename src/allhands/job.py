@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from allhands.config import Config
 from allhands.data import load_training_data
-from allhands.data.examples import valid_targets
 from allhands.models import GPT, GPTConfig
 
 ModelFn = Callable[[Config], nn.Module]

@@ -157,6 +157,8 @@ def prepare_corpus(inputs: list[str], out: str | os.PathLike, *, format: str = "
     (instruct when the first row has ``messages`` or ``prompt``). Bad input leaves no ``out``
     that this call created; an interrupt keeps it, so that the same command continues where it
     stopped (text only: instruction data is small enough to redo)."""
+    if kw.get("train_bpe_vocab") and kw.get("tokenizer", "byte") != "byte":
+        raise DataError("--train-tokenizer: trains a new tokenizer; drop --tokenizer or this option")
     created = not Path(out).exists()
     try:
         if format == "instruct" or (format == "auto" and looks_instruct(inputs)):
@@ -247,6 +249,16 @@ def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
     meta = write_shards_from_files(out, chunks, info, val_fraction, shard_tokens)
     shutil.rmtree(work, ignore_errors=True)
     return meta
+
+
+def wrote(meta: dict) -> str:
+    """What a prepared directory holds, for ``allhands prepare``'s last line."""
+    n = {k: sum(e["tokens"] for e in v) for k, v in meta["splits"].items()}
+    if meta.get("kind") != "instruct":
+        return f"{n['train']:,} train and {n['val']:,} val tokens"
+    ex = {k: sum(e["examples"] for e in v) for k, v in meta["splits"].items()}
+    return (f"{ex['train']:,} train and {ex['val']:,} val examples ({n['train'] + n['val']:,} "
+            f"tokens, loss on the responses)")
 
 
 def _pool(workers: int, spec: tuple):
