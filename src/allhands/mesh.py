@@ -162,7 +162,7 @@ class Mesh:
 
     def cpu_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank for small CPU-side agreements on the main thread (replica
-        mode's quorum, sync/quorum.py): the default group under gloo, a new one under NCCL.
+        mode's quorum, replica/quorum.py): the default group under gloo, a new one under NCCL.
         Collective on first call under NCCL: every rank calls it alike."""
         if self.backend == "gloo":
             return dist.group.WORLD
@@ -171,7 +171,7 @@ class Mesh:
     def cross_role_group(self, store: dist.Store, rank: int, size: int, timeout_s: float,
                          secret: str | None = None) -> dist.ProcessGroup:
         """A gloo group over every rank of a job whose roles each have a default group of their
-        own (parameter servers and their workers, sync/ps.py), for point-to-point traffic between
+        own (parameter servers and their workers, ps/client.py), for point-to-point traffic between
         the roles. Not registered with the default group (whose world is one role); admitted,
         under ``secret`` when it spans worlds of their own (admission.admit_peers)."""
         pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))

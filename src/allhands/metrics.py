@@ -114,8 +114,9 @@ class MetricsWriter:
         per_step = (now - t) / (record["step"] - step) if record["step"] > step else record["step_time"]
         print(progress_line(record, self.total, left * per_step), file=sys.stderr, flush=True)
 
-    def message(self, text: str) -> None:
-        if not self.enabled:
+    def message(self, text: str | None) -> None:
+        """Print ``text`` above the progress bar on rank 0; None or "" says nothing."""
+        if not self.enabled or not text:
             return
         if self._bar is not None:
             self._bar.write(text, file=sys.stderr)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
                                  check_compatible, load_weights, seed_rank)
@@ -26,29 +25,30 @@ from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.flops import StepFlops
 from allhands.env import worker_env
+from allhands.evaluate import check_replicas, evaluate
 from allhands.heartbeat import Heartbeat
+from allhands.hooks import LoopHooks
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
 from allhands.data.examples import valid_targets
 from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, default_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
-from allhands.memory import local
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
-from allhands.stopflag import FLAG, CleanStop
-from allhands.sync import build_sync
+from allhands.stopflag import CleanStop
+from allhands.sync import SyncBuilder, build_sync
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
 
-def param_checksums(model: nn.Module) -> torch.Tensor:
-    """One float64 sum per parameter, over this rank's local shard of a DTensor."""
-    return torch.stack([local(p).detach().double().sum() for p in model.parameters()])
-
-
 class Trainer:
-    def __init__(self, cfg: Config, job: Job, mesh: Mesh, run_dir: Path):
+    """``sync``: builds the sync strategy from (cfg, mesh, model); a mode with a strategy of its
+    own (the parameter server) passes its builder. ``hooks``: what a mode adds at the loop's fixed
+    points (hooks.py); a mode may also set them after construction, before ``fit``."""
+
+    def __init__(self, cfg: Config, job: Job, mesh: Mesh, run_dir: Path, *,
+                 sync: SyncBuilder = build_sync, hooks: LoopHooks | None = None):
         self.cfg, self.job, self.mesh, self.run_dir = cfg, job, mesh, run_dir
         r = cfg.run
         if mesh.device.type == "cpu" and r.threads:
@@ -63,7 +63,7 @@ class Trainer:
             load_weights(raw, cfg.checkpoint.init_from)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = checked_loss(job.loss) if job.loss else default_loss(self.train_ds)
-        self.strategy, self.sync_note = build_sync(cfg, mesh, raw)
+        self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
         self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan)
@@ -102,12 +102,12 @@ class Trainer:
         self.saved_step = -1  # the step of this process's last save, alike on every rank
         self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
-        self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
+        self.hooks = hooks or LoopHooks()
         self.resume = True  # False: a replica-mode spare that takes its state from live peers
 
     def move_to(self, run_dir: Path) -> None:
         """Write metrics and checkpoints under ``run_dir`` instead, before ``fit``: replica mode's
-        spare is built before it knows which group's place it takes (worker.run_replica)."""
+        spare is built before it knows which group's place it takes (replica/start.py)."""
         self.run_dir, self.ckpt.dir = run_dir, run_dir / "checkpoints"
 
     # -- checkpoint contract
@@ -160,21 +160,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.val_sampler is None or self.cfg.data.eval_batches == 0:
             return None
-        self.layout.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad(), self.layout.autocast():
-            for b in range(self.cfg.data.eval_batches):
-                idx = self.val_sampler.local_micro_batches(b, self.mesh.dp_rank, self.mesh.dp_size, 1)[0]
-                x, y = self._to_device(collate(self.val_ds, idx))
-                weight = self._begin_loss(self.val_ds, idx, calls=1)
-                loss = self.layout.eval_loss(x, y)
-                if self.layout.reports_loss:
-                    total[0] += float(loss) * weight
-                    total[1] += weight
-        self.layout.train()
-        # one contribution per data-parallel rank: from its rank that reports_loss
-        dist.all_reduce(total)
-        return float(total[0] / total[1])
+        return evaluate(self.layout, self.val_ds, self.val_sampler, self.cfg.data.eval_batches,
+                        self._to_device, weigh=lambda idx: self._begin_loss(self.val_ds, idx, calls=1))
 
     def _begin_loss(self, ds, indices: list[int], calls: int) -> int:
         """Weight of a batch of ``indices`` in a mean: its unmasked targets under the token
@@ -208,7 +195,7 @@ class Trainer:
             if loss is not None:
                 loss_sum += loss
         self.layout.after_backward()
-        if self.replica is not None and not self.replica.reduce(self.parts, step):
+        if not self.hooks.reduce(self.parts, step):
             self.optimizer.zero_grad(set_to_none=True)  # discarded by every member of the quorum
             self.last_action = "discarded"
             return loss_sum, loss_sum.new_zeros(())
@@ -219,8 +206,7 @@ class Trainer:
         # before this point makes every rank stop after this step, and the largest signal number
         # (SIGTERM over SIGUSR1 over SIGINT) says how, alike on every rank.
         flags = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0,
-                              # replica mode: the signal the quorum agreed on (sync/quorum.py)
-                              float(FLAG.signum if self.replica is None else self.replica.stop)],
+                              float(self.hooks.stop_signal())],
                              device=self.mesh.device)
         if self.strategy.lockstep:  # an asynchronous worker decides alone
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -239,18 +225,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
 
-    def check_replicas(self, step: int) -> None:
-        dim = self.layout.replica_dim  # the dim whose ranks hold equal parameters
-        mine = torch.cat([param_checksums(part) for part in self.parts]).cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size(dim))]
-        dist.all_gather(gathered, mine, group=self.mesh.group(dim))
-        for rank, other in enumerate(gathered):
-            if not torch.equal(other, gathered[0]):
-                bad = int((other != gathered[0]).nonzero()[0])
-                name = [n for part in self.parts for n, _ in part.named_parameters()][bad]
-                raise RuntimeError(f"replicas diverged after step {step}: rank {rank}'s parameter "
-                                   f"{name!r} differs from rank 0's")
-
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
         t_load = time.perf_counter()
@@ -260,7 +234,7 @@ class Trainer:
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
                                 progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
-        if ts.step < r.steps and self.replica is None:  # a replica's share waits for its quorum
+        if ts.step < r.steps and self.hooks.reads_ahead:
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]
             self._first = (ts.step, collate(self.train_ds, idx))
@@ -271,7 +245,7 @@ class Trainer:
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
-            self._say(metrics, slow_phase(f"loading checkpoint step {ts.step}", t_load))
+            metrics.message(slow_phase(f"loading checkpoint step {ts.step}", t_load))
         # Also right after a resume: the checkpoint's eval loss under this layout, which must
         # equal the one logged when it was saved, under any other layout (DCP reshards).
         ev = self.evaluate()
@@ -284,8 +258,8 @@ class Trainer:
         self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
-                if self.replica is not None and self.replica.begin_step(self):
-                    continue  # healed from a peer: the step may have moved
+                if self.hooks.begin_step(self):
+                    continue  # the state was replaced (healed from a peer): the step may have moved
                 self.faults.before_step(ts.step + 1)
                 self.heartbeat.beat(ts.step + 1)  # "working on step ts.step + 1": see supervise.py
                 t0 = time.perf_counter()
@@ -301,15 +275,15 @@ class Trainer:
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
-                if self.replica is not None and self.replica.discarded_round(self):
-                    continue  # replica mode: a DiLoCo round a member failed in is redone
+                if self.hooks.after_step(self):
+                    continue  # the step's work was rolled back (a discarded DiLoCo round)
                 if not logged_memory:
                     logged_memory = self.layout.log_memory(metrics, self.memory, ts.step)
                 if r.check_sync and self.strategy.in_sync(ts.step):
-                    self.check_replicas(ts.step)
+                    check_replicas(self.parts, mesh, self.layout.replica_dim, ts.step)
                 dt = time.perf_counter() - t0
                 if ts.step == first_step:  # builds caches, buckets and compiled graphs
-                    self._say(metrics, slow_phase("the first step", dt))
+                    metrics.message(slow_phase("the first step", dt))
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
@@ -339,7 +313,7 @@ class Trainer:
                 self._report_checkpoint_warnings(metrics)
                 if not self.strategy.lockstep and ts.step % cfg.log.interval == 0:
                     # an asynchronous worker agrees where it already meets its peers (the log)
-                    self.stop_signal = _agreed_max(FLAG.signum, mesh.device)
+                    self.stop_signal = _agreed_max(self.hooks.stop_signal(), mesh.device)
                 if self.stop_signal and not last:
                     self._stop_cleanly(self.stop_signal)
             failures = self.ckpt.failures
@@ -357,11 +331,6 @@ class Trainer:
             self.ckpt.close()
             metrics.close(summary=ts.step >= r.steps)
         return result
-
-    @staticmethod
-    def _say(metrics: MetricsWriter, line: str | None) -> None:
-        if line:
-            metrics.message(line)
 
     def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
         for w in self.ckpt.warnings:

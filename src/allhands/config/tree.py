@@ -119,7 +119,7 @@ class SyncConfig:
 
 @dataclass
 class PSConfig:
-    """parallel.sync = "ps": parameter servers (the last ``servers`` ranks) and workers (sync/ps.py)."""
+    """parallel.sync = "ps": parameter servers (the last ``servers`` ranks) and workers (ps/client.py)."""
 
     servers: int = _f(1, "server processes, the job's last ranks; the other ranks are workers, >= 1")
     mode: str = _f("sync", "sync (every step averages all workers' gradients: DDP's update), async "

@@ -30,7 +30,7 @@ Keys (all under the store given):
   one for all (torchft's ``should_commit``).
 
 Who may close a quorum early (after ``timeout_s`` without every group registered, or at once when
-every missing group's holder is dead by the launcher's notice, sync/spares.py): a member of
+every missing group's holder is dead by the launcher's notice, replica/spares.py): a member of
 the newest quorum, or anyone once every member of it has restarted (a new incarnation: that
 quorum is dead, e.g. every group failed and restarted from its checkpoint), or anyone after
 ``dead_s``. A group that is merely joining waits for the live quorum to let it in, so two
@@ -138,7 +138,7 @@ class ReplicaQuorum:
         self.local = local_group if local_group is not None and local_group.size() > 1 else None
         self.rank = self.local.rank() if self.local is not None else 0
         self.ranks = self.local.size() if self.local is not None else 1
-        if life is None:  # not given by the worker (which registered it: sync/spares.py)
+        if life is None:  # not given by the worker (which registered it: replica/spares.py)
             life = shared_token(self.local)
             if self.rank == 0:
                 self.store.set(f"life/{group}", life)
@@ -165,7 +165,7 @@ class ReplicaQuorum:
         return all(restarted)
 
     def _missing_dead(self, missing: list[int]) -> bool:
-        """Every group in ``missing`` is held by a process the launcher saw die (sync/spares.py)."""
+        """Every group in ``missing`` is held by a process the launcher saw die (replica/spares.py)."""
         lives = [self.store.get(f"life/{g}").decode() if self.store.check([f"life/{g}"]) else ""
                  for g in missing]
         return all(life and self.store.check([f"dead/{life}"]) for life in lives)

@@ -1,8 +1,8 @@
 """Parameter-server training, the worker's side: push gradients to the servers that own each
 piece of the parameters, pull the parameters back (DistBelief, Dean et al. 2012).
 
-The servers (sync/ps_server.py) hold the parameters cut into byte-balanced pieces
-(ps_wire.plan_shards) and their optimizer state, and apply every update. A worker keeps a full
+The servers (ps/server.py) hold the parameters cut into byte-balanced pieces
+(wire.plan_shards) and their optimizer state, and apply every update. A worker keeps a full
 replica for forward/backward; its own optimizer never steps (``attach_optimizer`` makes
 ``optimizer.step`` a no-op, as torchft wraps the step), so the training loop is unchanged:
 
@@ -11,7 +11,7 @@ replica for forward/backward; its own optimizer never steps (``attach_optimizer`
   (torch's ``get_total_norm``, so the server clips like ``clip_grad_norm_``);
 - after the step (``after_step``) it receives the parameters it asked for and copies them in.
 
-Embedding tables (sync/ps_rows.py, ``ps.sparse``) are not replicated: their modules fetch the
+Embedding tables (ps/rows.py, ``ps.sparse``) are not replicated: their modules fetch the
 rows a batch uses from the servers at forward, and a push carries only those rows' gradients.
 
 ``ps.mode``:
@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from allhands.config import PSConfig
 from allhands.mesh import Mesh
-from allhands.sync import ps_links, ps_rows, ps_wire as w
+from allhands.ps import links as ps_links, rows as ps_rows, wire as w
 from allhands.sync.base import SyncStrategy
 
 
@@ -77,7 +77,7 @@ class PSSync(SyncStrategy):
     def wrap(self, model: nn.Module, mesh: Mesh) -> nn.Module:
         r = self.roles
         self.mesh = mesh
-        if r.links is not None:  # replica mode: links of this incarnation (sync/ps_links.py)
+        if r.links is not None:  # replica mode: links of this incarnation (ps/links.py)
             self.wire, self.life, self.slife = ps_links.join(r, mesh, self.timeout_s)
         else:
             pg = mesh.cross_role_group(r.cross_store, r.rank, r.world, self.timeout_s)
