@@ -22,11 +22,13 @@ WORDS = ("the cat sat on a mat and we saw two red birds fly over green hills whi
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
           "{% endif %}")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
 
 
-def make_tokenizer(out: Path) -> int:
-    """Train a byte-level BPE on WORDS, save it with a chat template into ``out``; its vocab size."""
+def make_tokenizer(out: Path, template: str | None = CHATML, **config) -> int:
+    """Train a byte-level BPE on WORDS and save it into ``out`` with a tokenizer_config.json
+    (``template``: its chat template, None for none; ``config``: more of its keys); returns
+    the vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -35,10 +37,13 @@ def make_tokenizer(out: Path) -> int:
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([" ".join(WORDS)] * 20 + ["user assistant system"] * 5, trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHATML}, indent=1))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", **config}
+    if template is not None:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return tok.get_vocab_size(with_added_tokens=True)
 
 

@@ -1,11 +1,12 @@
 """Fine-tuning data: a transformers tokenizer directory (tokenizer.json + tokenizer_config.json)
 for `prepare` and training, and instruction rows whose loss is on the responses only.
 
-The tokenizer is a small byte-level BPE trained here with the tokenizers library, saved into a
-directory with a ChatML chat template, so nothing is downloaded."""
+The tokenizer is a small byte-level BPE trained offline with the tokenizers library, saved into a
+directory with a ChatML chat template (examples/tiny_hf_model.py), so nothing is downloaded."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -21,34 +22,28 @@ from allhands.data.tokenizer import HFTokenizer
 from allhands.job import TokenMeanLoss, lm_loss
 from allhands.launch.launcher import LaunchSpec, train_job
 
-from conftest import ALLHANDS, tiny_config
+from conftest import ALLHANDS, ROOT, tiny_config
 from test_parity import assert_resume_bit_exact, max_rel_diff, reference_params, trained_params
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-WORDS = ("the cat sat on a mat and we saw two red birds fly over green hills while "
-         "one small dog ran home").split()
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+
+def _example():
+    """examples/tiny_hf_model.py: its tokenizer (a BPE trained offline, a ChatML template) is
+    the one these tests prepare with."""
+    spec = importlib.util.spec_from_file_location("tiny_hf_model", ROOT / "examples" / "tiny_hf_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def make_tokenizer_dir(d: Path, template: str | None = CHATML, **config) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+TINY_HF = _example()
+WORDS = TINY_HF.WORDS
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["user assistant system"] * 5, trainer=trainer)
-    d.mkdir(parents=True, exist_ok=True)
-    tok.save(str(d / "tokenizer.json"))
-    cfg = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **config}
-    if template is not None:
-        cfg["chat_template"] = template
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+def make_tokenizer_dir(d: Path, template: str | None = TINY_HF.CHATML, **config) -> Path:
+    TINY_HF.make_tokenizer(d, template, **config)
     return d
 
 
