@@ -188,11 +188,20 @@ def test_token_mean_is_the_global_mean_over_unmasked_targets():
 FT = ["model.seq_len=48", "run.threads=1", "checkpoint.interval=2"]
 
 
-def test_masked_data_parallel_matches_single_process(instruct_dir, tmp_path):
+LAYOUTS = {  # 2 workers each; the loss calls a step averages: ranks x micro-batches x pp chunks
+    "ddp": ["run.micro_batches=2"],
+    "fsdp": ["parallel.dp_shard=2", "parallel.dp_replicate=1", "parallel.zero=3"],
+    "pp2-1f1b": ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.pp_schedule=1f1b",
+                 "parallel.pp_microbatches=3", "run.micro_batches=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_masked_data_parallel_matches_single_process(instruct_dir, tmp_path, layout):
     # SGD, as the other parity tests of a new loss: Adam's first update of a position embedding
     # that a step's batch reaches once is sign(g) * lr, which turns rounding noise into a
     # parameter difference; SGD keeps the comparison about the loss's arithmetic
-    cfg = tiny_config(instruct_dir, tmp_path / "run", *FT, "run.micro_batches=2", "optim.name=sgd",
+    cfg = tiny_config(instruct_dir, tmp_path / "run", *FT, *LAYOUTS[layout], "optim.name=sgd",
                       "optim.lr=0.5")
     train, _, vocab = load_training_data(cfg)
     assert vocab == json.loads((instruct_dir / "meta.json").read_text())["vocab_size"] != 257
