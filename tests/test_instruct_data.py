@@ -116,6 +116,32 @@ def test_exactly_the_responses_carry_loss(tok_dir, tmp_path):
             assert bool((y[x == meta["pad"]] == IGNORE).all())
 
 
+# ChatML with transformers' assistant-mask markers around each assistant turn's content and end
+GENERATION = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}"
+              "{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}"
+              "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_ids_and_mask_equal_transformers_apply_chat_template(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok_dir = make_tokenizer_dir(tmp_path / "hf", GENERATION)
+    theirs = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    data = [r for r in rows(12, seed=2) if "messages" in r]
+    src = write_jsonl(tmp_path / "rows.jsonl", data)
+    prepare_corpus([str(src)], tmp_path / "out", tokenizer=str(tok_dir), val_fraction=0.2)
+    train, val, _ = load_token_splits(tmp_path / "out", seq_len=256)
+    for i, row in enumerate(data):
+        want = theirs.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        x, y = train[i] if i < len(train) else val[i - len(train)]
+        n = len(want["input_ids"])
+        assert x[:n].tolist() == list(want["input_ids"][:n]), f"row {i}: ids"
+        mask = (y[:n - 1] != IGNORE).long().tolist()  # y[j] is the target id j + 1
+        assert mask == list(want["assistant_masks"][1:n]), f"row {i}: loss mask"
+
+
 def test_a_long_example_is_cut_to_seq_len(instruct_dir):
     train, _, _ = load_token_splits(instruct_dir, seq_len=4)
     x, y = train[1]
