@@ -19,6 +19,7 @@ from allhands.data import GlobalSampler, load_token_splits, load_training_data
 from allhands.data.corpus import prepare_corpus
 from allhands.data.examples import IGNORE
 from allhands.data.tokenizer import HFTokenizer
+from allhands.errors import DataError
 from allhands.job import TokenMeanLoss, lm_loss
 from allhands.launch.launcher import LaunchSpec, train_job
 
@@ -140,6 +141,39 @@ def test_ids_and_mask_equal_transformers_apply_chat_template(tmp_path):
         assert x[:n].tolist() == list(want["input_ids"][:n]), f"row {i}: ids"
         mask = (y[:n - 1] != IGNORE).long().tolist()  # y[j] is the target id j + 1
         assert mask == list(want["assistant_masks"][1:n]), f"row {i}: loss mask"
+
+
+def rewriting(generation: bool) -> str:
+    """A template that drops the reasoning of earlier assistant turns, as Qwen3's does."""
+    a, b = ("{% generation %}", "{% endgeneration %}") if generation else ("", "")
+    return ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+            "{% if m['role'] == 'assistant' %}" + a +
+            "{% if loop.last %}{{ m['content'] }}{% else %}{{ m['content'].split('</think>')[-1] }}"
+            "{% endif %}{{ '<|im_end|>\n' }}" + b +
+            "{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_needs_generation_marks(tmp_path):
+    row = {"messages": [{"role": "user", "content": "the cat"},
+                        {"role": "assistant", "content": "<think>a dog</think>sat on"},
+                        {"role": "user", "content": "we saw"},
+                        {"role": "assistant", "content": "<think>red</think>two birds"}]}
+    src = write_jsonl(tmp_path / "rows.jsonl", [row, row])
+    with pytest.raises(DataError, match=r"rows.jsonl' line 1: the chat template does not render"):
+        prepare_corpus([str(src)], tmp_path / "refused", tokenizer=str(
+            make_tokenizer_dir(tmp_path / "plain", rewriting(False))), val_fraction=0.5)
+    assert not (tmp_path / "refused").exists()
+    tok_dir = make_tokenizer_dir(tmp_path / "marked", rewriting(True))
+    prepare_corpus([str(src)], tmp_path / "out", tokenizer=str(tok_dir), val_fraction=0.5)
+    x, y = load_token_splits(tmp_path / "out", seq_len=128)[0][0]
+    # the earlier turn as the whole conversation renders it, without its reasoning
+    assert loss_text(HFTokenizer(tok_dir), y) == "sat on<|im_end|>\n<think>red</think>two birds<|im_end|>\n"
+    transformers = pytest.importorskip("transformers")
+    want = transformers.AutoTokenizer.from_pretrained(tok_dir).apply_chat_template(
+        row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    n = len(want["input_ids"])
+    assert x[:n].tolist() == list(want["input_ids"])
+    assert (y[:n - 1] != IGNORE).long().tolist() == list(want["assistant_masks"][1:])
 
 
 def test_a_long_example_is_cut_to_seq_len(instruct_dir):

@@ -4,11 +4,15 @@ carry loss when fine-tuning.
 A conversation is rendered with the tokenizer directory's Jinja chat template, in the
 environment transformers renders it in (``transformers.utils.chat_template_utils``: sandboxed,
 ``trim_blocks``, ``lstrip_blocks``, loop controls, ``tojson``, ``raise_exception``,
-``strftime_now``), or with :data:`DEFAULT_CHAT_TEMPLATE` when the tokenizer has none. The
-assistant message ``i`` spans from the end of the render of ``messages[:i]`` with the generation
-prompt to the end of the render of ``messages[:i+1]``: its content and the end-of-turn text the
-template writes after it, so the model learns to stop. Both renders must be prefixes of the
-whole conversation's render; a template for which they are not is refused for that row.
+``strftime_now``), or with :data:`DEFAULT_CHAT_TEMPLATE` when the tokenizer has none.
+
+Where the template marks the assistant's text with ``{% generation %}...{% endgeneration %}``,
+those blocks are the spans, as transformers' ``return_assistant_tokens_mask`` takes them.
+Otherwise assistant message ``i`` spans from the end of the render of ``messages[:i]`` with the
+generation prompt to the end of the render of ``messages[:i+1]``: its content and the end-of-turn
+text the template writes after it, so the model learns to stop. Both renders must then be
+prefixes of the whole conversation's render; a template for which they are not (one that
+rewrites earlier turns, as Qwen3's drops their reasoning) is refused for that row.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
-def _compile(template: str):
+def _compile(template: str, spans: dict):
+    """The template, its ``{% generation %}`` blocks recording their spans into ``spans``
+    (``blocks``: the output so far, ``found``: the spans) while a render fills them."""
     try:
         import jinja2  # optional dependency: the `data` extra
         from jinja2.ext import Extension, loopcontrols
@@ -47,7 +53,7 @@ def _compile(template: str):
 
     class Generation(Extension):
         """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask markers):
-        rendered as its body; the spans here come from prefix renders instead."""
+        its body, whose place in the output is recorded (transformers' AssistantTracker)."""
 
         tags = {"generation"}
 
@@ -57,7 +63,11 @@ def _compile(template: str):
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller):
-            return caller()
+            text = caller()
+            if spans["blocks"] is not None:  # jinja yields output in order: all before is out
+                start = sum(map(len, spans["blocks"]))
+                spans["found"].append((start, start + len(text)))
+            return text
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, loopcontrols])
@@ -76,7 +86,8 @@ class ChatRenderer:
     """``render(messages)`` -> (text, assistant spans), for one template and special tokens."""
 
     def __init__(self, template: str | None, special_tokens: dict[str, str]):
-        self.template = _compile(template or DEFAULT_CHAT_TEMPLATE)
+        self.spans: dict = {"blocks": None, "found": []}
+        self.template = _compile(template or DEFAULT_CHAT_TEMPLATE, self.spans)
         self.special = special_tokens
         self.is_default = template is None
 
@@ -84,11 +95,23 @@ class ChatRenderer:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt,
                                     tools=None, documents=None, **self.special)
 
+    def _marked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation's text and its ``{% generation %}`` spans."""
+        self.spans["blocks"], self.spans["found"] = [], []
+        try:
+            for block in self.template.generate(messages=messages, add_generation_prompt=False,
+                                                tools=None, documents=None, **self.special):
+                self.spans["blocks"].append(block)
+            return "".join(self.spans["blocks"]), list(self.spans["found"])
+        finally:
+            self.spans["blocks"] = None
+
     def render(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the character spans of its assistant messages."""
         try:
-            full = self._text(messages, False)
-            spans = []
+            full, spans = self._marked(messages)
+            if spans:
+                return full, spans
             for i, m in enumerate(messages):
                 if m["role"] != "assistant":
                     continue
