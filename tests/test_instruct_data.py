@@ -232,6 +232,19 @@ def test_a_malformed_row_is_one_line_naming_file_and_line(tok_dir, tmp_path, cli
     assert not (tmp_path / "out").exists()
 
 
+def test_a_mixture_with_instruction_data_counts_its_targets(instruct_dir, tmp_path):
+    docs = [sentence(random.Random(k), 30, 60) for k in range(12)]
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    prepare_corpus([str(src)], tmp_path / "text", tokenizer=str(instruct_dir), workers=1, progress=False)
+    cfg = tiny_config(instruct_dir, tmp_path / "run", *FT, f"data.mix={instruct_dir}:1,{tmp_path / 'text'}:1",
+                      "data.path=")
+    train, _, _ = load_training_data(cfg)
+    assert train.masked_targets
+    idx = list(range(len(train)))
+    assert train.valid_targets(idx) == sum(int((train[i][1] != IGNORE).sum()) for i in idx)
+    assert 0 < train.valid_targets(idx) < len(idx) * 48  # text windows count whole, examples not
+
+
 def test_token_mean_is_the_global_mean_over_unmasked_targets():
     torch.manual_seed(0)
     logits = torch.randn(6, 5, 11)
