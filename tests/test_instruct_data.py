@@ -213,6 +213,21 @@ def test_text_prepare_with_a_tokenizer_dir(tmp_path):
     assert tok.decode(stream) == "".join(f"<s>{d}<|im_end|>" for d in docs)
 
 
+def test_bos_from_the_post_processor_unless_the_config_says(tmp_path):
+    from tokenizers import Tokenizer, processors
+
+    d = make_tokenizer_dir(tmp_path / "hf")
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))  # Llama 3's way: the post-processor adds BOS
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    tok.save(str(d / "tokenizer.json"))
+    cat, sat = (tok.encode(t, add_special_tokens=False).ids for t in ("the cat", "sat"))
+    assert HFTokenizer(d).prefix == [3]
+    assert HFTokenizer(d).encode_docs(["the cat", "sat"]).tolist() == [3, *cat, 2, 3, *sat, 2]
+    assert HFTokenizer(d / "tokenizer.json").prefix == [3]  # the bare file: the same rule
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "add_bos_token": False}))
+    assert HFTokenizer(d).encode_docs(["the cat", "sat"]).tolist() == [*cat, 2, *sat, 2]
+
+
 @pytest.mark.parametrize("row,message", [
     ({"prompt": "hi"}, "has no messages or prompt and response fields (it has: prompt)"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
