@@ -47,3 +47,10 @@ def test_a_cp2_checkpoint_resumes_at_cp1(token_dir, tmp_path):
     one = tiny_config(token_dir, cut, *LLAMA, "checkpoint.interval=2")
     resumed = train_job(one, LaunchSpec(nproc=1), resume=str(cut))
     assert_matches_reference(resumed, "cp=2 -> cp=1 resume")
+
+
+def test_cp2_with_document_masks_trains_like_one_process(token_dir, tmp_path):
+    """Packed documents under cp: the gathered keys are masked by document as well as by
+    position, and the loss is the mean over the global batch's counted targets."""
+    cfg = tiny_config(token_dir, tmp_path / "run", *LLAMA, "parallel.cp=2", "data.packing=mask")
+    assert_matches_reference(train_job(cfg, LaunchSpec(nproc=2)), "cp=2 with document masks")

@@ -87,3 +87,16 @@ def test_mask_packing_needs_the_llama_family():
     apply_override(cfg, "data.packing=mask")
     with pytest.raises(ConfigError, match="data.packing: 'mask' needs the Llama family"):
         validate(cfg, need_data=False)
+
+
+def test_two_workers_train_packed_documents_like_one_process(token_dir, tmp_path):
+    """Rows hold different numbers of counted targets: the loss is the mean over the global
+    batch's, so 2 data-parallel workers end where one process does."""
+    from allhands.launch.launcher import LaunchSpec, train_job
+
+    from conftest import tiny_config
+    from test_parity import assert_matches_reference
+
+    cfg = tiny_config(token_dir, tmp_path / "run", "model.family=llama", "model.n_kv_head=1",
+                      "model.seq_len=32", "data.packing=mask")
+    assert_matches_reference(train_job(cfg, LaunchSpec(nproc=2)), "2 workers, packed documents")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from allhands.config import Config, parse_mix
+from allhands.data.examples import valid_targets
 from allhands.data.shards import load_token_splits
 from allhands.errors import ConfigError, DataError
 
@@ -54,6 +55,14 @@ class MixtureDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         s, j = self.source_of(i)
         return self.sources[s][j]
+
+    @property
+    def masked_targets(self) -> bool:
+        """Whether a source has a loss mask (instruction examples): see job.TokenMeanLoss."""
+        return any(getattr(s, "masked_targets", False) for s in self.sources)
+
+    def valid_targets(self, indices: list[int]) -> int:
+        return sum(valid_targets(self.sources[s], [j]) for s, j in map(self.source_of, indices))
 
 
 def load_training_data(cfg: Config):

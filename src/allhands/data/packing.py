@@ -53,6 +53,8 @@ def pack_rows(ends: np.ndarray, n_tokens: int, capacity: int, one_per_row: bool)
 class PackedDataset(torch.utils.data.Dataset):
     """Map-style dataset of rows of whole documents over memmapped shards (module docstring)."""
 
+    masked_targets = True  # ignored targets: the trainer averages over the step's counted ones
+
     def __init__(self, files: list[tuple[Path, int]], dtype: np.dtype, seq_len: int, eot: int,
                  packing: str = "mask"):
         if packing not in ("mask", "pad"):

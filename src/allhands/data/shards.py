@@ -24,6 +24,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from allhands.data.examples import example_splits
 from allhands.data.packing import PackedDataset
 from allhands.data.tokenizer import ByteTokenizer, dtype_for, tokenizer_info
 from allhands.errors import DataError, cannot_write
@@ -215,10 +216,14 @@ def load_meta(path: str | os.PathLike) -> dict:
 def load_token_splits(path: str | os.PathLike, seq_len: int,
                       packing: str = "concat") -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, dict]:
     """(train, val, meta) datasets of a prepared directory: windows of the token stream
-    (``concat``) or rows of whole documents (``mask``, ``pad``: data/packing.py)."""
+    (``concat``), rows of whole documents (``mask``, ``pad``: data/packing.py), or instruction
+    examples (examples.ExampleDataset) where meta.json says ``"kind": "instruct"``."""
     meta = load_meta(path)
     dtype = DTYPES[meta["dtype"]]
     root = Path(path)
+    if meta.get("kind") == "instruct":  # whole examples with a loss mask: examples.py
+        train, val = example_splits(root, meta, dtype, seq_len)
+        return train, val, meta
     splits = []
     for split in ("train", "val"):
         files = [(root / e["file"], int(e["tokens"])) for e in meta["splits"].get(split, [])]
