@@ -54,3 +54,24 @@ def test_cp2_with_document_masks_trains_like_one_process(token_dir, tmp_path):
     position, and the loss is the mean over the global batch's counted targets."""
     cfg = tiny_config(token_dir, tmp_path / "run", *LLAMA, "parallel.cp=2", "data.packing=mask")
     assert_matches_reference(train_job(cfg, LaunchSpec(nproc=2)), "cp=2 with document masks")
+
+
+def test_blockwise_causal_attention_equals_sdpa_with_its_gradients():
+    """A rank's two query chunks over the whole sequence, by log-sum-exp merged flash blocks,
+    against SDPA's causal attention on the whole sequence (grouped-query heads: 4 over 2)."""
+    import torch.nn.functional as F
+
+    from allhands.parallel.context import _CausalBlocks
+
+    torch.manual_seed(0)
+    T, cp, rank = 16, 2, 0
+    q, k, v = (torch.randn(1, h, T, 8, requires_grad=True) for h in (4, 2, 2))
+    mine = chunk_index(T, cp, rank)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, mine]
+    got = _CausalBlocks.apply(q[:, :, mine], k, v, [rank, 2 * cp - 1 - rank])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    have = torch.autograd.grad(got, (q, k, v), g)
+    for a, b in zip(have, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,8 @@ tokens, targets and their global positions (restarting at each document when the
 documents), and :meth:`ContextParallel.attention` is a ``TorchFunctionMode`` under which each
 ``F.scaled_dot_product_attention`` call gets the gathered keys and values, in the order the
 ranks hold them, and the mask that says which of them each local query may see: earlier
-positions of its own document. Its backward sums the key/value gradients back to their
+positions of its own document. Without document masks, on CPU, no mask is built at all
+(``_CausalBlocks``). Its backward sums the key/value gradients back to their
 owners (torch.distributed.nn's all_gather: a reduce-scatter, or all_to_all on gloo).
 
 Shapes: full rows ``x``, ``y`` ``(B, T)``; local ``(B, T / cp)``; per layer ``q``
@@ -52,6 +53,67 @@ def documents(x: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tens
     return torch.arange(x.shape[1], device=x.device).expand_as(x), torch.zeros_like(x)
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """Causal attention of this rank's query chunks over the whole sequence without a mask: each
+    chunk (global chunk ``g``, ``c`` tokens) attends its prefix ``[0, g c)`` in full and its own
+    chunk causally, two flash-attention calls merged by their log-sum-exp; backward runs each
+    block's flash backward with the merged output and log-sum-exp, as ring attention does
+    (Liu et al. 2023). Only q, k, v, the output and the log-sum-exp are kept: no ``T/cp x T``
+    mask or probabilities, and k and v with their own ``kv_heads`` heads (expanded to the query
+    heads per block, again in backward). ``q`` ``(B, H, T/cp, hd)``; ``k``, ``v``
+    ``(B, kv_heads, T, hd)`` in global order; ``chunks``: the global index of each local chunk. CPU kernels (torch's flash
+    attention for CPU); elsewhere the mask path is taken."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks):
+        c, G = q.shape[2] // len(chunks), q.shape[1] // k.shape[1]
+        ctx.chunks, ctx.G = chunks, G
+
+        def kv(t, keys):  # one block of keys or values, one copy per query head of its group
+            return t[:, :, keys].repeat_interleave(G, dim=1).contiguous()
+
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        for j, g in enumerate(chunks):
+            qj = q[:, :, j * c:(j + 1) * c].contiguous()
+            diag, prefix = slice(g * c, (g + 1) * c), slice(0, g * c)
+            o, l = _flash(qj, kv(k, diag), kv(v, diag), 0.0, True)[:2]
+            if g:
+                op, lp = _flash(qj, kv(k, prefix), kv(v, prefix), 0.0, False)[:2]
+                m = torch.logaddexp(lp, l)
+                o = op * (lp - m).exp()[..., None].to(o.dtype) + o * (l - m).exp()[..., None].to(o.dtype)
+                l = m
+            out[:, :, j * c:(j + 1) * c], lse[:, :, j * c:(j + 1) * c] = o, l
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        c, G = q.shape[2] // len(ctx.chunks), ctx.G
+        B, kvh, _, hd = k.shape
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for j, g in enumerate(ctx.chunks):
+            rows = slice(j * c, (j + 1) * c)
+            args = (grad[:, :, rows].contiguous(), q[:, :, rows].contiguous())
+            held = (out[:, :, rows].contiguous(), lse[:, :, rows].contiguous())
+            for keys, causal in ((slice(g * c, (g + 1) * c), True), (slice(0, g * c), False)):
+                if keys.stop == 0:
+                    continue
+                gq, gk, gv = _flash_backward(*args, k[:, :, keys].repeat_interleave(G, dim=1).contiguous(),
+                                             v[:, :, keys].repeat_interleave(G, dim=1).contiguous(),
+                                             *held, 0.0, causal)
+                dq[:, :, rows] += gq
+                # a kv head's gradient: the sum over the query heads of its group
+                dk[:, :, keys] += gk.view(B, kvh, G, -1, hd).sum(2)
+                dv[:, :, keys] += gv.view(B, kvh, G, -1, hd).sum(2)
+        return dq, dk, dv, None
+
+
 class _GatheredAttention(TorchFunctionMode):
     def __init__(self, owner: "ContextParallel"):
         super().__init__()
@@ -68,6 +130,9 @@ class _GatheredAttention(TorchFunctionMode):
         # swapped between ranks sum silently wrong (measured).
         k, v = torch.cat(all_gather(torch.stack([k, v]), group=o.group), dim=3).unbind(0)
         kwargs.pop("is_causal", None)
+        if o.mask is None:  # plain causal on CPU: blockwise, with no mask at all
+            k, v = k[:, :, o.order], v[:, :, o.order]  # gathered order -> global order
+            return _CausalBlocks.apply(q, k, v, o.chunks)
         kwargs["attn_mask"] = o.mask  # causal over global positions, inside each document
         return func(q, k, v, *args[3:], **kwargs)
 
@@ -90,6 +155,10 @@ class ContextParallel:
         pos, seg = documents(x, self.doc_token)
         mine = chunk_index(T, self.size, self.rank).to(x.device)
         held = torch.cat([chunk_index(T, self.size, r) for r in range(self.size)]).to(x.device)
+        if self.doc_token < 0 and x.device.type == "cpu":  # no mask needed: _CausalBlocks
+            self.mask, self.order = None, torch.argsort(held)
+            self.chunks = [self.rank, 2 * self.size - 1 - self.rank]
+            return x[:, mine], y[:, mine], {"positions": pos[:, mine]}
         # query i (global position mine[i]) may see gathered key j (global position held[j])
         causal = held[None, :] <= mine[:, None]
         same = seg[:, mine][:, :, None] == seg[:, held][:, None, :]
