@@ -95,6 +95,11 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
         if m.n_head % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.n_head={m.n_head}; heads are split "
                               f"evenly over tp ranks, use a divisor of {m.n_head}")
+        kv = m.n_kv_head or m.n_head
+        if m.family == "llama" and kv % tp:
+            # each tp rank holds whole key/value heads with their query groups (parallel/tensor.py)
+            raise ConfigError(f"parallel.tp: {tp} does not divide model.n_kv_head={kv}; key/value heads are "
+                              f"split evenly over tp ranks, use a divisor of {kv}")
         if p.zero < 2 and sizes["dp_replicate"] * sizes["dp_shard"] * cp > 1:
             raise ConfigError(f"parallel.zero: {p.zero} replicates over DDP, which cannot hold the tp-"
                               f"sharded (DTensor) parameters; with parallel.tp={tp} use parallel.zero=2 or 3 "

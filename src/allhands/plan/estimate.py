@@ -1,4 +1,5 @@
-"""Per-rank memory and step time of one layout of the reference GPT on one cluster.
+"""Per-rank memory and step time of one layout of a shipped decoder (the reference GPT or the
+Llama family, whose shapes decoder.py prices) on one cluster.
 
 Memory, counted the way allhands measures it (memory.py): training state from the parameters
 each rank holds (tp shards, its pipeline stage's blocks, 1/N under ZeRO; the ZeRO formulas,
@@ -23,8 +24,8 @@ import os
 from dataclasses import dataclass, field
 
 from allhands.config import Config
-from allhands.flops import gpt_flops_per_token
 from allhands.plan.cluster import Cluster
+from allhands.plan.decoder import Decoder
 from allhands.plan.localtime import PARTIAL_REDUCES, local_step, partial_grad_tensors
 
 # Values kept per block per token per C (see the docstring), by parallel.ac. Without recomputation,
@@ -103,23 +104,17 @@ def _stage_blocks(n_layer: int, pp: int) -> list[int]:
 
 def stage_params(cfg: Config, pp: int, tp: int, stage: int) -> tuple[int, int]:
     """(parameters this rank holds before data-parallel sharding, their tensor count) on pipeline
-    stage ``stage``: tp shards qkv/fc column-wise with their biases, the projections row-wise,
-    the embedding and head over the vocabulary; norms, position embedding and row biases are
-    replicated (parallel/tensor.py's plan)."""
-    m = cfg.model
-    c, v, b = m.n_embd, m.vocab_size or 257, int(m.bias)
-    blocks = _stage_blocks(m.n_layer, pp)[stage]
-    numel = blocks * ((12 * c * c + 7 * c * b) // tp + 2 * c + 4 * c * b)
-    tensors = blocks * (6 + 6 * b)
+    stage ``stage``: tp shards q/k/v (or qkv) and fc (or gate/up) column-wise with their biases,
+    the output projections row-wise, the embedding and head over the vocabulary; norms, position
+    embedding and row biases are replicated (parallel/tensor.py's plans; decoder.py)."""
+    d = Decoder.of(cfg.model)
+    blocks = _stage_blocks(d.n_layer, pp)[stage]
+    per, per_tensors = d.block_params(tp)
+    numel, tensors = blocks * per, blocks * per_tensors
     if stage == 0:
-        numel += v * c // tp + m.seq_len * c
-        tensors += 2
+        numel, tensors = numel + d.first_params(tp)[0], tensors + d.first_params(tp)[1]
     if stage == pp - 1:
-        numel += c + c * b
-        tensors += 1 + b
-        if not m.tie_embeddings or pp > 1:  # a separate head, or the tied copy on the last stage
-            numel += v * c // tp
-            tensors += 1
+        numel, tensors = numel + d.last_params(tp, pp)[0], tensors + d.last_params(tp, pp)[1]
     return numel, tensors
 
 
@@ -210,14 +205,14 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     not during it; a fused cross-entropy kernel that reads the bf16 logits and writes their bf16
     gradient, with no fp32 copy (flash-attn's ``flash_attn.losses.cross_entropy.CrossEntropyLoss``,
     which saves the logits and a log-sum-exp per row, llm-foundry's default ``loss_fn``)."""
-    m, r = cfg.model, cfg.run
-    c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
+    r, d = cfg.run, Decoder.of(cfg.model)
+    c, t, v, tp, pp, n = d.c, d.t, d.v, layout.tp, layout.pp, layout.dp_shard
     est = Estimate(layout)
     act_bytes = 2 if bf16 else 4
     adam = 8 if cfg.optim.name == "adamw" else 0
     # samples per forward on one rank: global batch / data-parallel ranks / accumulation / microbatches
     mb = r.global_batch / (layout.dp * r.micro_batches * layout.microbatches)
-    blocks = _stage_blocks(m.n_layer, pp)
+    blocks = _stage_blocks(d.n_layer, pp)
     worst = None
     for stage in range(pp):
         numel, tensors = stage_params(cfg, pp, tp, stage)
@@ -225,15 +220,16 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
         state = train_state(layout, p, tensors, adam)
         est.state_rank.append(sum(state.values()))
         in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
-        per_token = _act_none(cfg, act_bytes) if layout.ac == "none" else ACT_PER_BLOCK[layout.ac]
+        table = {**ACT_PER_BLOCK, "none": _act_none(cfg, act_bytes)}
+        per_token = d.act_values(layout.ac, table)
         per_block = per_token * mb * t * c / tp * act_bytes
         acts = in_flight * blocks[stage] * per_block
         if layout.ac == "block":  # one block's intermediates live again during its recompute
-            acts += _act_none(cfg, act_bytes) * mb * t * c / tp * act_bytes
+            acts += d.act_values("none", table) * mb * t * c / tp * act_bytes
         if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient; fused: the
             # logits and their gradient, both in the activations' dtype
             acts += 3 * mb * t * v * 4 if loss == "fp32" else 2 * mb * t * v * act_bytes
-        block_params = 4.0 * (12 * c * c + 2 * c) / tp * (2 / 4 if bf16 and layout.zero >= 2 else 1)
+        block_params = 4.0 * d.block_params(tp)[0] * (2 / 4 if bf16 and layout.zero >= 2 else 1)
         gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
                     2: blocks[stage] * block_params, 3: 2 * block_params}[layout.zero]
         mem = {**state, "activations": acts, "buffers": gathered + cluster.runtime}
@@ -249,15 +245,18 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     # ---- time: the busiest stage (the first one holds the remainder blocks and the embedding)
     peak = cluster.peak(bf16)
     tokens_mb = mb * t
-    layer_flops = (gpt_flops_per_token(n_layer=1, n_embd=c, seq_len=t, vocab_size=0)) * tokens_mb / tp
+    layer_flops = d.flops_per_token(n_layer=1, head=False) * tokens_mb / tp
     head_flops = 6 * v * c * tokens_mb / tp
     stage_flops = max(blocks) * layer_flops + (head_flops if pp == 1 else head_flops / 2)
     recompute = max(blocks) * layer_flops / 3 if layout.ac == "block" else 0.0
-    ew = EW_PASSES[layout.compile] * tokens_mb * c / tp * act_bytes * max(blocks) / cluster.mem_bw
-    ops = (OPS_PER_BLOCK[layout.compile] * max(blocks) + 30) * cluster.op_overhead
+    # the passes were counted on the GPT's element-wise widths (8 C a block); a family's scale with its own
+    ew = EW_PASSES[layout.compile] * d.ew_width() / 8 * tokens_mb * c / tp * act_bytes * max(blocks) \
+        / cluster.mem_bw
+    eager = d.eager_ops() if not layout.compile else 1.0
+    ops = (OPS_PER_BLOCK[layout.compile] * eager * max(blocks) + 30) * cluster.op_overhead
     if attention == "materialized":  # element-wise passes over (mb, heads, T, T) per block
         passes = SCORE_PASSES + (SCORE_PASSES_FWD if layout.ac == "block" else 0.0)
-        ew += passes * mb * (m.n_head // tp) * t * t * act_bytes * max(blocks) / cluster.mem_bw
+        ew += passes * mb * (d.n_head // tp) * t * t * act_bytes * max(blocks) / cluster.mem_bw
     t_mb = (stage_flops + recompute) / (peak * cluster.gemm_eff) + ew + ops
     compute = r.micro_batches * layout.microbatches * t_mb
     bubble = r.micro_batches * (pp - 1) * t_mb
@@ -288,7 +287,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
         est.time = local_step(cfg, layout, cluster.calib, blocks=blocks, numel=[x[0] for x in shape],
                               tensors=[x[1] for x in shape], threads=_threads(cluster))
         step = est.time["step"]
-    flops_step = gpt_flops_per_token(n_layer=m.n_layer, n_embd=c, seq_len=t, vocab_size=v) * t * r.global_batch
+    flops_step = d.flops_per_token() * t * r.global_batch
     est.tokens_per_s = r.global_batch * t / step
     est.mfu = flops_step / step / (peak * layout.world)
     return est

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 from allhands.config import Config, validate
 from allhands.errors import ConfigError
+from allhands.models.build import with_preset
 from allhands.plan.cluster import Cluster
 from allhands.plan.estimate import Estimate, Layout, estimate
 
@@ -20,10 +21,12 @@ def layouts(cfg: Config, world: int, per_node: int, *, compile_options=(False, T
             ac_options=("none", "selective", "block")) -> Iterator[Layout]:
     """Candidate layouts of ``world`` ranks: tp inside a node and dividing the heads, pp up to the
     layers, the rest data parallel as DDP/ZeRO-1 (replicated), ZeRO-2/3 (sharded) or hybrid
-    (ZeRO-2/3 sharded inside groups, replicated across them); 1F1B with pp, 2pp, 4pp microbatches."""
+    (ZeRO-2/3 sharded inside groups, replicated across them); 1F1B with pp, 2pp, 4pp microbatches.
+    A Llama's tp also divides its key/value heads (each rank holds whole grouped-query groups)."""
     m = cfg.model
+    kv = (m.n_kv_head or m.n_head) if m.family == "llama" else m.n_head
     for tp in _divisors(min(per_node, m.n_head)):
-        if m.n_head % tp or world % tp:
+        if m.n_head % tp or kv % tp or world % tp:
             continue
         for pp in _divisors(min(m.n_layer, world // tp)):
             if (world // tp) % pp:
@@ -50,7 +53,8 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 def plan(cfg: Config, cluster: Cluster, **kw: Any) -> list[Estimate]:
     """Every candidate layout estimated: feasible ones by step time, then the infeasible ones
-    with the validator's or the memory model's reason."""
+    with the validator's or the memory model's reason. A ``model.preset`` is resolved first."""
+    cfg = dataclasses.replace(cfg, model=with_preset(cfg.model))
     bf16 = cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cluster.device == "cuda")
     out = []
     for layout in layouts(cfg, cluster.world, cluster.per_node, **kw):
