@@ -75,3 +75,26 @@ def test_blockwise_causal_attention_equals_sdpa_with_its_gradients():
     have = torch.autograd.grad(got, (q, k, v), g)
     for a, b in zip(have, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_planner_prices_cp_and_proposes_it_for_a_sequence_that_does_not_fit():
+    """cp divides activation memory and adds the k/v all-gathers; at 64k tokens a Llama 3 8B
+    sequence does not fit an H100 without it, and with 2 sequences a step on 8 GPUs the
+    planner's best layout cuts them."""
+    from allhands.config import Config, apply_override
+    from allhands.plan import parse_cluster, plan
+    from allhands.plan.estimate import Layout, estimate
+
+    cfg = Config()
+    for item in ("model.preset=llama3-8b", "model.seq_len=65536", "run.global_batch=2",
+                 "run.precision=bf16"):
+        apply_override(cfg, item)
+    from allhands.models.build import with_preset
+    cfg.model = with_preset(cfg.model)
+    cluster = parse_cluster("h100:1", 8)
+    one = estimate(cfg, Layout(1, 2, 1, 1, 3, ac="selective"), cluster, True)
+    four = estimate(cfg, Layout(1, 2, 1, 1, 3, ac="selective", cp=4), cluster, True)
+    assert four.memory["activations"] < one.memory["activations"] / 3.5
+    assert four.time["comm"] > one.time["comm"] and one.reason
+    best = plan(cfg, cluster)[0]
+    assert not best.reason and best.layout.cp > 1, best.layout.name()

@@ -20,6 +20,7 @@ communication that backward/forward cannot hide, and the 1F1B bubble (pp - 1) mi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class Layout:
     microbatches: int = 1  # pipeline microbatches (1 without pp)
     ac: str = "none"
     compile: bool = False
+    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
 
     @property
     def dp(self) -> int:
@@ -63,19 +65,30 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    def grad_view(self) -> "Layout":
+        """The layout as its gradient reduction sees it: the cp ranks of a group hold the same
+        parameters, so they join the data-parallel ranks (FSDP shards over dp_shard x cp)."""
+        if self.cp == 1:
+            return self
+        if self.zero >= 1:
+            return dataclasses.replace(self, dp_shard=self.dp_shard * self.cp, cp=1)
+        return dataclasses.replace(self, dp_replicate=self.dp_replicate * self.cp, cp=1)
 
     def overrides(self) -> list[str]:
         """The ``--set`` items that train this layout."""
         return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
                 f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.zero={self.zero}",
                 f"parallel.pp_microbatches={self.microbatches if self.pp > 1 else 0}",
-                f"parallel.ac={self.ac}", f"run.compile={str(self.compile).lower()}"]
+                f"parallel.ac={self.ac}", f"run.compile={str(self.compile).lower()}",
+                f"parallel.cp={self.cp}"]
 
     def name(self) -> str:
         parts = [f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_shard > 1 and self.dp_replicate > 1
                  else f"dp{self.dp}", f"zero{self.zero}"]
         parts += [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"pp{self.pp}/m{self.microbatches}"] if self.pp > 1 else []
         parts += [f"ac:{self.ac}"] if self.ac != "none" else []
         parts += ["compile"] if self.compile else []
@@ -130,7 +143,7 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 
 def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
-    """Bandwidth a rank of a mesh dim's group gets. Mesh order is (pp, dp_replicate, dp_shard, tp),
+    """Bandwidth a rank of a mesh dim's group gets. Mesh order is (pp, dp_replicate, dp_shard, cp, tp),
     outermost first: a dim's stride is the product of the inner ones. Inside a node, the node's
     links. A group spanning nodes with k members on each node gets min(intra, k x inter): NCCL
     builds several rings (channels), each entering a node through one NIC, passing the node's GPUs
@@ -141,10 +154,10 @@ def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
     about selecting NET when searching channels"). With one member a node (a stride of a node or
     more, as HSDP's replicate dim or dp under tp=8) the group has that member's one NIC."""
     sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-             "tp": layout.tp}
+             "cp": layout.cp, "tp": layout.tp}
     order = list(sizes)
     if dim == "dp":  # dp_replicate x dp_shard, adjacent in the mesh
-        size, stride = layout.dp, layout.tp
+        size, stride = layout.dp, layout.tp * layout.cp
     else:
         size, stride = sizes[dim], 1
         for d in order[order.index(dim) + 1:]:
@@ -206,12 +219,15 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     gradient, with no fp32 copy (flash-attn's ``flash_attn.losses.cross_entropy.CrossEntropyLoss``,
     which saves the logits and a log-sum-exp per row, llm-foundry's default ``loss_fn``)."""
     r, d = cfg.run, Decoder.of(cfg.model)
-    c, t, v, tp, pp, n = d.c, d.t, d.v, layout.tp, layout.pp, layout.dp_shard
-    est = Estimate(layout)
+    seq_layout, layout = layout, layout.grad_view()  # cp: sequences cut, parameters as dp's
+    cp = seq_layout.cp
+    c, t, v, tp, pp, n = d.c, d.t // cp, d.v, layout.tp, layout.pp, layout.dp_shard
+    est = Estimate(seq_layout)
     act_bytes = 2 if bf16 else 4
     adam = 8 if cfg.optim.name == "adamw" else 0
     # samples per forward on one rank: global batch / data-parallel ranks / accumulation / microbatches
-    mb = r.global_batch / (layout.dp * r.micro_batches * layout.microbatches)
+    # (the cp ranks of a group share samples, each t = T / cp of their tokens)
+    mb = r.global_batch / (layout.dp / cp * r.micro_batches * layout.microbatches)
     blocks = _stage_blocks(d.n_layer, pp)
     worst = None
     for stage in range(pp):
@@ -270,6 +286,11 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
         per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat
         tp_comm = r.micro_batches * layout.microbatches * max(blocks) * 8 * per
+    cp_comm = 0.0
+    if cp > 1:  # keys and values all-gathered per block forward, reduce-scattered backward
+        kv_bytes = 2 * tokens_mb * cp * d.n_kv * d.hd * act_bytes
+        cp_comm = r.micro_batches * layout.microbatches * max(blocks) * 2 * (
+            lat + _ring("allgather", kv_bytes, cp) / _bw(cluster, seq_layout, "cp"))
     pp_comm = 0.0
     if pp > 1:  # activations forward, their gradients backward, per microbatch and stage boundary
         pp_comm = r.micro_batches * layout.microbatches * 2 * (
@@ -279,15 +300,15 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     if tp > 1:  # each Partial gradient all-reduced by every op that reads it: NCCL's latency a call
         optim += PARTIAL_REDUCES * partial_grad_tensors(cfg, max(blocks), pp == 1) * (
             lat + _ring("allreduce", 4.0 * c, tp) / _bw(cluster, layout, "tp"))
-    step = compute + bubble + exposed + tp_comm + pp_comm + optim
-    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + pp_comm,
-                "comm_exposed": exposed + tp_comm + pp_comm, "optimizer": optim, "step": step}
-    if cluster.calib:  # this machine: composed from its calibration (localtime.py)
+    step = compute + bubble + exposed + tp_comm + cp_comm + pp_comm + optim
+    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + cp_comm + pp_comm,
+                "comm_exposed": exposed + tp_comm + cp_comm + pp_comm, "optimizer": optim, "step": step}
+    if cluster.calib and cp == 1:  # this machine: composed from its calibration (localtime.py)
         shape = [stage_params(cfg, pp, tp, s) for s in range(pp)]
         est.time = local_step(cfg, layout, cluster.calib, blocks=blocks, numel=[x[0] for x in shape],
                               tensors=[x[1] for x in shape], threads=_threads(cluster))
         step = est.time["step"]
-    flops_step = d.flops_per_token() * t * r.global_batch
-    est.tokens_per_s = r.global_batch * t / step
-    est.mfu = flops_step / step / (peak * layout.world)
+    flops_step = d.flops_per_token() * d.t * r.global_batch
+    est.tokens_per_s = r.global_batch * d.t / step
+    est.mfu = flops_step / step / (peak * seq_layout.world)
     return est

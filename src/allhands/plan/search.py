@@ -25,26 +25,40 @@ def layouts(cfg: Config, world: int, per_node: int, *, compile_options=(False, T
     A Llama's tp also divides its key/value heads (each rank holds whole grouped-query groups)."""
     m = cfg.model
     kv = (m.n_kv_head or m.n_head) if m.family == "llama" else m.n_head
-    for tp in _divisors(min(per_node, m.n_head)):
-        if m.n_head % tp or kv % tp or world % tp:
-            continue
-        for pp in _divisors(min(m.n_layer, world // tp)):
-            if (world // tp) % pp:
+    for tp, cp in _tp_cp(cfg, world, per_node, kv):
+        for pp in _divisors(min(m.n_layer, world // (tp * cp))) if cp == 1 else [1]:
+            if (world // (tp * cp)) % pp:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             splits = [(dp, 1, 0)] + [(dp // s, s, z) for s in _divisors(dp) if s > 1 for z in (1, 2, 3)
                                      if z >= 2 or s == dp]
             for rep, shard, zero in splits:
                 for micro in ([pp, 2 * pp, 4 * pp] if pp > 1 else [1]):
                     for ac in ac_options:
                         for comp in compile_options:
-                            yield Layout(rep, shard, tp, pp, zero, micro, ac, comp)
+                            yield Layout(rep, shard, tp, pp, zero, micro, ac, comp, cp)
+
+
+def _tp_cp(cfg: Config, world: int, per_node: int, kv: int) -> Iterator[tuple[int, int]]:
+    """(tp, cp) pairs: tp inside a node dividing the heads; context parallelism (the Llama family,
+    parallel/context.py) for cp dividing the world and cutting seq_len into 2 cp (x tp) chunks, so
+    a sequence whose activations do not fit one rank is cut over several."""
+    m = cfg.model
+    for tp in _divisors(min(per_node, m.n_head)):
+        if m.n_head % tp or kv % tp or world % tp:
+            continue
+        yield tp, 1
+        if m.family != "llama":
+            continue
+        for cp in _divisors(world // tp)[1:]:
+            if m.seq_len % (2 * cp * tp) == 0 and cp <= 16:
+                yield tp, cp
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
     """A copy of ``cfg`` that trains ``layout`` (only the sections it changes are copied)."""
     par = dataclasses.replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                              tp=layout.tp, pp=layout.pp, zero=layout.zero, ac=layout.ac,
+                              tp=layout.tp, pp=layout.pp, zero=layout.zero, ac=layout.ac, cp=layout.cp,
                               pp_schedule="1f1b", pp_stages_per_rank=0,
                               pp_microbatches=layout.microbatches if layout.pp > 1 else 0)
     run = dataclasses.replace(cfg.run, compile=layout.compile)
