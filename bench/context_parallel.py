@@ -5,7 +5,7 @@ Activation memory is what autograd saves for backward during one forward (unique
 counted by ``torch.autograd.graph.saved_tensors_hooks``): the part of a step's memory that
 grows with the sequence and that context parallelism divides. Communication is every byte this
 rank receives in the cp group's collectives over one forward and backward (the k/v all-gather
-forward, its all_to_all reduce-scatter on gloo backward), against the formula
+forward, its reduce-scatter backward: an all_to_all on gloo), against the formula
 ``layers x 2 (k, v) x B x kv_heads x T x head_dim x 4 bytes x (cp - 1) / cp`` per direction.
 
     python bench/context_parallel.py [--seq-len 2048] [--cap-mib 48]
@@ -48,35 +48,30 @@ def saved_bytes(fn) -> int:
 
 
 class Counting:
-    """Bytes this rank receives in all_gather, all_to_all and scatter while active (the cp
-    group's collectives; on gloo torch's all_gather backward is a scatter from each rank)."""
+    """Bytes this rank receives in all_gather_into_tensor and all_to_all_single while active
+    (the cp group's k/v gather forward and its reduce-scatter backward on gloo)."""
 
     def __init__(self):
         self.received = 0
 
     def __enter__(self):
-        self.saved = dist.all_gather, dist.all_to_all, dist.scatter
+        self.saved = dist.all_gather_into_tensor, dist.all_to_all_single
         me = self
 
-        def scatter(out, parts=None, src=0, group=None, async_op=False):
-            if dist.get_rank(group) != src:
-                me.received += out.numel() * out.element_size()
-            return me.saved[2](out, parts, src, group=group, async_op=async_op)
-
-        def all_gather(out, t, group=None, async_op=False):
-            me.received += sum(o.numel() * o.element_size() for o in out) - t.numel() * t.element_size()
+        def gather(out, t, group=None, async_op=False):
+            me.received += out.numel() * out.element_size() - t.numel() * t.element_size()
             return me.saved[0](out, t, group=group, async_op=async_op)
 
-        def all_to_all(outs, ins, group=None, async_op=False):
-            rank = dist.get_rank(group)
-            me.received += sum(o.numel() * o.element_size() for i, o in enumerate(outs) if i != rank)
-            return me.saved[1](outs, ins, group=group, async_op=async_op)
+        def exchange(out, t, *args, group=None, **kw):
+            n = dist.get_world_size(group)
+            me.received += out.numel() * out.element_size() * (n - 1) // n
+            return me.saved[1](out, t, *args, group=group, **kw)
 
-        dist.all_gather, dist.all_to_all, dist.scatter = all_gather, all_to_all, scatter
+        dist.all_gather_into_tensor, dist.all_to_all_single = gather, exchange
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather, dist.all_to_all, dist.scatter = self.saved
+        dist.all_gather_into_tensor, dist.all_to_all_single = self.saved
 
 
 def worker(rank: int, world: int, port: int, seq_len: int, cap: int, out: dict) -> None:

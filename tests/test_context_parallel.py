@@ -98,3 +98,14 @@ def test_the_planner_prices_cp_and_proposes_it_for_a_sequence_that_does_not_fit(
     assert four.time["comm"] > one.time["comm"] and one.reason
     best = plan(cfg, cluster)[0]
     assert not best.reason and best.layout.cp > 1, best.layout.name()
+
+
+def test_cp2_composes_with_tp2_and_with_data_parallel(token_dir, tmp_path):
+    """4 processes: tp=2 x cp=2 under FSDP, and 2 data-parallel replicas x cp=2 with document
+    masks, each against one process."""
+    tp = tiny_config(token_dir, tmp_path / "tp", *LLAMA, "parallel.cp=2", "parallel.tp=2",
+                     "parallel.zero=3")
+    assert_matches_reference(train_job(tp, LaunchSpec(nproc=4)), "tp=2 x cp=2")
+    dp = tiny_config(token_dir, tmp_path / "dp", *LLAMA, "parallel.cp=2", "parallel.dp_replicate=2",
+                     "data.packing=mask")
+    assert_matches_reference(train_job(dp, LaunchSpec(nproc=4)), "dp=2 x cp=2, document masks")

@@ -30,7 +30,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_gather
 from torch.overrides import TorchFunctionMode
 
 from allhands.mesh import Mesh
@@ -51,6 +50,32 @@ def documents(x: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tens
     if doc_token >= 0:
         return document_positions(x, doc_token)
     return torch.arange(x.shape[1], device=x.device).expand_as(x), torch.zeros_like(x)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group`` whose backward is a reduce-scatter: each rank
+    gets the sum of every rank's gradient for its own part. torch.distributed.nn's all_gather
+    does this too, but on gloo its backward scatters from group-local ranks as if they were
+    global ones, which fails in any cp group that is not ranks 0..cp-1 (torch 2.13, measured
+    with tp=2 x cp=2); gloo has no reduce_scatter, so the sum is taken after an all_to_all."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group, n = group, dist.get_world_size(group)
+        out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad, n = grad.contiguous(), dist.get_world_size(ctx.group)
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        parts = torch.empty_like(grad)
+        dist.all_to_all_single(parts, grad, group=ctx.group)  # part r of every rank, to rank r
+        return parts.view(n, -1, *grad.shape[1:]).sum(0), None
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -128,7 +153,8 @@ class _GatheredAttention(TorchFunctionMode):
         # One gather of k and v stacked: two would be two collectives in backward whose order
         # autograd does not fix across ranks (independent branches), and same-shaped tensors
         # swapped between ranks sum silently wrong (measured).
-        k, v = torch.cat(all_gather(torch.stack([k, v]), group=o.group), dim=3).unbind(0)
+        kv = _GatherSeq.apply(torch.stack([k, v]).movedim(3, 0), o.group)  # (cp T/cp, 2, B, kvh, hd)
+        k, v = kv.movedim(0, 3).unbind(0)  # each (B, kvh, T, hd), the ranks' parts in rank order
         kwargs.pop("is_causal", None)
         if o.mask is None:  # plain causal on CPU: blockwise, with no mask at all
             k, v = k[:, :, o.order], v[:, :, o.order]  # gathered order -> global order

@@ -147,8 +147,9 @@ def llama_tp_plan(model: Llama, sequence_parallel: bool = True) -> TPPlan:
     for name, block in model.blocks.items():
         b = f"blocks.{name}"
         # (x, cos, sin): only the hidden state is redistributed; the RoPE tables pass through
-        gather = PrepareModuleInput(input_layouts=(seq, None, None),
-                                    desired_input_layouts=(Replicate(), None, None))
+        # attention's inputs: x, and the RoPE tables and the document mask (or None), left as they are
+        gather = PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                    desired_input_layouts=(Replicate(), None, None, None))
         plan.update({
             f"{b}.attn_norm": norm(),
             f"{b}.attn": gather,
