@@ -24,8 +24,9 @@ def test_each_rank_holds_a_head_and_a_tail_chunk():
 
 
 def test_cp2_trains_the_llama_family_like_one_process(token_dir, tmp_path):
-    cfg = tiny_config(token_dir, tmp_path / "run", *LLAMA, "parallel.cp=2")
-    assert_matches_reference(train_job(cfg, LaunchSpec(nproc=2)), "cp=2")
+    cfg = tiny_config(token_dir, tmp_path / "run", *LLAMA, "parallel.cp=2", "model.seq_len=1024",
+                      "run.global_batch=4")
+    assert_matches_reference(train_job(cfg, LaunchSpec(nproc=2)), "cp=2 at seq_len 1024")
 
 
 def test_cp2_under_fsdp_trains_like_one_process(token_dir, tmp_path):
