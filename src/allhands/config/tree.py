@@ -75,6 +75,10 @@ class DataConfig:
                       "(same tokenizer; instead of data.path)")
     seed: int = _f(1234, "seed of the sample order; the order is independent of the worker count")
     eval_batches: int = _f(4, "global eval batches drawn from the held-out split per evaluation")
+    packing: str = _f("concat", "how documents become rows: concat (windows of the token stream, "
+                                "across documents), mask (whole documents packed into rows, "
+                                "attention and positions kept inside each; model.family=llama), "
+                                "pad (one document a row)")
 
 
 @dataclass
@@ -103,10 +107,12 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
-    # The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (torchtitan's ParallelDims
-    # order); the product of the four sizes is the world size, and at most one of them is -1.
+    # The mesh is (pp, dp_replicate, dp_shard, cp, tp), outermost first (torchtitan's ParallelDims
+    # order); the product of the sizes is the world size, and at most one of them is -1.
     dp_shard: int = _f(1, "data-parallel ranks that shard the training state (ZeRO/FSDP); -1 = the rest")
     tp: int = _f(1, "tensor-parallel degree; -1 = the rest of the workers")
+    cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence (the Llama "
+                    "family; keys and values all-gathered per layer); -1 = the rest of the workers")
     pp: int = _f(1, "pipeline-parallel stages; -1 = the rest of the workers")
     zero: int = _f(0, "ZeRO stage over dp_shard: 0 DDP, 1 optimizer state, 2 +gradients, 3 +parameters")
     ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
