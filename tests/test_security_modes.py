@@ -132,13 +132,13 @@ def _assert_loopback(job: Job, at_least: int) -> None:
 
 
 def test_replica_job_with_a_spare_under_forged_votes_joins_deaths_and_done(token_dir, tmp_path, cli_env):
-    """Two groups and a spare; group 1 is SIGKILLed at step 8 of 40 and the spare takes its
+    """Two groups and a spare; group 1 is SIGKILLed at step 8 of 16 and the spare takes its
     place. From the first quorum on, the stranger creates ``done`` and ``stop``, a death notice
     of the live group 0, a hand-over to the spare and the next quorum; overwrites ``epoch``,
     ``joiners`` and ``life/0``; votes the next steps ``abort``; sends malformed frames; and after
     the kill votes ahead in the new quorum and overwrites ``life/1``."""
     run = tmp_path / "run"
-    job = Job(["2", *_sets(token_dir, run, "run.steps=40", "fault.mode=replica", "fault.spares=1",
+    job = Job(["2", *_sets(token_dir, run, "run.steps=16", "fault.mode=replica", "fault.spares=1",
                             "fault.max_restarts=1", "fault.inject=1:8:SIGKILL", "parallel.timeout_s=60",
                             "fault.quorum_timeout_s=0.5", "fault.min_groups=2")],
               cli_env, "quorum store")
@@ -157,14 +157,14 @@ def test_replica_job_with_a_spare_under_forged_votes_joins_deaths_and_done(token
     # after the kill: a new quorum; vote its next steps ahead and overwrite the new holder
     _until(lambda: raw.check(["epoch"]) and raw.get("epoch")[_SEALED:] not in (b"", str(epoch).encode()), job)
     later = int(raw.get("epoch")[_SEALED:])
-    after = {"life/1": b"y"} | {f"d/{later}/{s}": b"abort" for s in range(8, 41)}
+    after = {"life/1": b"y"} | {f"d/{later}/{s}": b"abort" for s in range(8, 17)}
     for key, value in after.items():
         raw.set(key, value)
     out = job.finish()
     assert job.proc.returncode == 0, out[-4000:]
-    cfg = tiny_config(token_dir, run, "run.steps=40")
+    cfg = tiny_config(token_dir, run, "run.steps=16")
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m][-1] == 40, out[-3000:]
+    assert [m["step"] for m in metrics if "loss" in m][-1] == 16, out[-3000:]
     assert "spare pid" in out and "takes its place" in out, out[-3000:]
     assert max_rel_diff(trained_params(cfg), reference_params(cfg, shares=2)) <= 1e-5
     _assert_told(out, [k for k in forged if not k.startswith("d/")] + ["life/1"], processes=5)
