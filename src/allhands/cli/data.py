@@ -61,7 +61,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = export_weights(args.run_dir, args.out, step=args.step)
     else:
         try:
-            out, note = export_hf(args.run_dir, args.out, step=args.step)
+            out, note = export_hf(args.run_dir, args.out, args.step, args.max_shard_size)
         except DataError as e:  # the tokenizers library is missing
             raise ConfigError(str(e)) from None
         if note:
@@ -95,14 +95,17 @@ def add_parsers(sub) -> None:
     p.set_defaults(fn=cmd_prepare)
 
     e = sub.add_parser("export", help="write a run's weights as one .safetensors file or a "
-                                      "transformers GPT-2 directory (start a run from either "
+                                      "transformers directory (start a run from either "
                                       "with checkpoint.init_from)")
     e.add_argument("run_dir", help="a run directory made by `allhands train`")
     e.add_argument("--out", required=True, help="output file (its name must end in .safetensors), "
                                                 "or a directory with --format hf")
     e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                   help="safetensors (allhands' names) or hf: config.json, model.safetensors and "
-                        "the tokenizer, for GPT2LMHeadModel.from_pretrained")
+                   help="safetensors (allhands' names) or hf: config.json, the weights and "
+                        "the tokenizer, for AutoModelForCausalLM.from_pretrained")
+    e.add_argument("--max-shard-size", default="5GB",
+                   help="with --format hf: the largest weights file (e.g. 5GB, 500MB); a larger model "
+                        "is written as shards with model.safetensors.index.json")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     e.set_defaults(fn=cmd_export)
 

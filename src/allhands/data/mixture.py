@@ -69,7 +69,7 @@ def load_training_data(cfg: Config):
     """(train, val, vocab_size) of ``data.path`` or ``data.mix``."""
     d = cfg.data
     entries = parse_mix(d.mix) if d.mix else [(d.path, 1.0)]
-    loaded = [load_token_splits(path, cfg.model.seq_len) for path, _ in entries]
+    loaded = [load_token_splits(path, cfg.model.seq_len, d.packing) for path, _ in entries]
     ids = [meta.get("tokenizer_id", meta["tokenizer"]) for _, _, meta in loaded]
     for (path, _), tid in zip(entries, ids):
         if tid != ids[0]:
