@@ -180,6 +180,20 @@ def _fit_error(path: Path, missing: list[str], shapes: list[tuple[str, tuple, tu
                            f"{', '.join(parts)} tensors; use the model config it was exported from")
 
 
+def _copy_rows(local: torch.Tensor, index: tuple[slice, ...] | None, read) -> None:
+    """Fill ``local``, the block ``index`` of a global tensor (None: all of it), from
+    ``read(block)``, rows in chunks of about 8 MiB, so the buffer a read fills stays small."""
+    if index is None:
+        index = tuple(slice(0, n) for n in local.shape)
+    if local.dim() == 0:
+        local.copy_(read(index))
+        return
+    step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
+    for r in range(0, max(1, local.shape[0]), step):
+        rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
+        local[r:r + step].copy_(read((rows, *index[1:])))
+
+
 def load_hf(module: nn.Module, path: Path) -> nn.Module:
     """Copy the weights of transformers directory ``path`` into ``module`` (our model of the
     same family, whole, a pipeline stage of it, or with DTensor parameters: each rank reads
@@ -221,17 +235,7 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
     order = sorted(own, key=lambda k: files.get(k, ""))
     with torch.no_grad():
         for i, k in enumerate(order):
-            local, index = local_block(own[k])
-            if index is None:
-                index = tuple(slice(0, n) for n in local.shape)
-            # rows in chunks of about 8 MiB: the buffer a read fills stays small
-            step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
-            for r in range(0, max(1, local.shape[0] if local.dim() else 1), step):
-                if local.dim() == 0:
-                    local.copy_(sources[k](index))
-                    break
-                rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
-                local[r:r + step].copy_(sources[k]((rows, *index[1:])))
+            _copy_rows(*local_block(own[k]), sources[k])
             if k in files and (i + 1 == len(order) or files.get(order[i + 1]) != files[k]):
                 reader.close(files[k])
     return module
