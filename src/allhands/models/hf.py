@@ -180,6 +180,24 @@ def _fit_error(path: Path, missing: list[str], shapes: list[tuple[str, tuple, tu
                            f"{', '.join(parts)} tensors; use the model config it was exported from")
 
 
+def _whole(m: Llama) -> bool:
+    return m.tok_emb is not None and m.lm_head is not None and len(m.blocks) == m.cfg.n_layers
+
+
+def _copy_rows(local: torch.Tensor, index: tuple[slice, ...] | None, read) -> None:
+    """Fill ``local``, the block ``index`` of a global tensor (None: all of it), from
+    ``read(block)``, rows in chunks of about 8 MiB, so the buffer a read fills stays small."""
+    if index is None:
+        index = tuple(slice(0, n) for n in local.shape)
+    if local.dim() == 0:
+        local.copy_(read(index))
+        return
+    step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
+    for r in range(0, max(1, local.shape[0]), step):
+        rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
+        local[r:r + step].copy_(read((rows, *index[1:])))
+
+
 def load_hf(module: nn.Module, path: Path) -> nn.Module:
     """Copy the weights of transformers directory ``path`` into ``module`` (our model of the
     same family, whole, a pipeline stage of it, or with DTensor parameters: each rank reads
@@ -210,6 +228,13 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
                 sources[k] = lambda idx, n=theirs: reader.read(n, idx)
                 shape_of[k] = reader.shape(theirs)
                 files[k] = reader.file_of(theirs)
+    if isinstance(module, Llama) and _whole(module):  # a stage holds a subset of the file
+        used = {llama_hf.hf_name(k) for k in own} | {llama_hf.TIED[1]}
+        extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise CheckpointError(f"checkpoint.init_from: {str(path)!r} does not fit the model: "
+                                  f"{len(extra)} unexpected (e.g. {extra[0]!r}) tensors; use the "
+                                  f"model config it was exported from")
     for k, t in own.items():
         if k not in sources:
             missing.append(k)
@@ -221,17 +246,7 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
     order = sorted(own, key=lambda k: files.get(k, ""))
     with torch.no_grad():
         for i, k in enumerate(order):
-            local, index = local_block(own[k])
-            if index is None:
-                index = tuple(slice(0, n) for n in local.shape)
-            # rows in chunks of about 8 MiB: the buffer a read fills stays small
-            step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
-            for r in range(0, max(1, local.shape[0] if local.dim() else 1), step):
-                if local.dim() == 0:
-                    local.copy_(sources[k](index))
-                    break
-                rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
-                local[r:r + step].copy_(sources[k]((rows, *index[1:])))
+            _copy_rows(*local_block(own[k]), sources[k])
             if k in files and (i + 1 == len(order) or files.get(order[i + 1]) != files[k]):
                 reader.close(files[k])
     return module
