@@ -37,7 +37,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_reference_model(cfg: Config, vocab_size: int) -> nn.Module:
     """The model ``cfg.model`` names (the reference GPT or a Llama-family decoder); a preset
     still unresolved is resolved here (models/build.py)."""
-    return build_model(family_config(with_preset(cfg.model), vocab_size))
+    return build_model(family_config(with_preset(cfg.model), vocab_size, cfg.moe))
 
 
 def build_data(cfg: Config, job: Job):

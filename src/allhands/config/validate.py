@@ -12,6 +12,7 @@ from pathlib import Path
 
 from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
+from allhands.config.moe import validate_moe
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
 from allhands.config.tree import Config
 from allhands.config.validate_model import validate_model
@@ -22,6 +23,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     """Raise ConfigError for the first impossible value. ``world_size`` enables batch checks."""
     m, o, r, p, c, lg, d = cfg.model, cfg.optim, cfg.run, cfg.parallel, cfg.checkpoint, cfg.log, cfg.data
     validate_model(m)
+    validate_moe(cfg.moe, m.family)
     check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]", o.min_lr_ratio)
     check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)

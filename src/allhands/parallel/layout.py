@@ -22,6 +22,7 @@ import torch.nn as nn
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.memory import log_memory, state_bytes
 from allhands.mesh import Mesh
+from allhands.models.moe import set_aux_scale, update_expert_bias
 from allhands.optim import build_optimizer
 from allhands.parallel.parallelize import clip_grad_norm, parallelize
 from allhands.parallel.pipeline import Pipeline, build_pipeline, clip_grads, global_grad_norm
@@ -97,6 +98,10 @@ class Layout:
         """Forward and backward of one micro-batch, its loss scaled by ``scale``; returns that
         loss, or None on a rank without the last stage. ``on_loss`` sees the loss before
         backward (fault injection); a pipeline's schedule computes its loss inside and skips it."""
+        # MoE auxiliary losses get the weight of the loss they join (models/moe.py: AuxLoss)
+        per_chunk = scale / self.pipeline.n_microbatches if self.pipeline is not None else scale
+        for part in self.parts:
+            set_aux_scale(part, per_chunk)
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
@@ -182,6 +187,11 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
         pipeline.modules = wrapped
         pipeline.start(mesh.device, loss_fn)
     optimizer = build_optimizer(parts, cfg)
+    if cfg.moe.n_experts and cfg.moe.balance == "bias":
+        # DeepSeek-V3's bias step after each update, on loads summed over the data ranks
+        optimizer.register_step_post_hook(
+            lambda *_: [update_expert_bias(part, mesh.dp_group if mesh.dp_size > 1 else None)
+                        for part in parts])
     if p.zero == 1:
         optimizer = apply_zero1(optimizer, mesh)
     return Layout(parts, wrapped[0] if len(wrapped) == 1 else wrapped, optimizer, mesh, loss_fn,
