@@ -3,6 +3,12 @@
 Built once per worker and passed explicitly to every strategy; nothing else creates process
 groups. Its four named dimensions are ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; every
 strategy asks this object for the group of the dimension it works over.
+
+Expert parallelism adds a second view of the same ranks (TorchTitan's ``ParallelDims``): the
+data-parallel ranks split into ``ep`` consecutive ranks that share out the experts and
+``edp = dp / ep`` groups of them that hold the same experts, the mesh ``(pp, edp, ep, tp)``.
+Consecutive ranks of dp are consecutive ranks of dp_shard, so an ep group lies inside a
+dp_shard group whenever ep divides dp_shard.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Mesh:
     device_mesh: DeviceMesh
     sizes: dict[str, int] = field(default_factory=dict)
     dp_mesh: DeviceMesh | None = None
+    expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp); None when ep = 1
     _ckpt_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _admit: bool = field(default=False, repr=False)
 
@@ -56,7 +63,7 @@ class Mesh:
 
     @classmethod
     def build(cls, *, rank: int, world_size: int, local_rank: int, device: str, backend: str,
-              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
+              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
               timeout_s: float = 300.0, store: dist.Store | None = None) -> "Mesh":
         """Initialise the default process group (env:// from the launcher, or ``store`` for the
         ranks of one role of a larger job: the parameter server's workers) and the mesh."""
@@ -84,10 +91,19 @@ class Mesh:
                 admit = True
         dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
         dp_mesh = dmesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, _admit=admit)
+        emesh = None
+        dp = sizes["dp_replicate"] * sizes["dp_shard"]
+        if ep > 1:
+            if dp % ep:
+                raise ConfigError(f"parallel.ep: {ep} does not divide the {dp} data-parallel ranks")
+            grid = dmesh.mesh.reshape(sizes["pp"], dp // ep, ep, sizes["tp"])
+            emesh = DeviceMesh(dev.type, grid, mesh_dim_names=("pp", "edp", "ep", "tp"))
+        sizes = {**sizes, "ep": ep, "edp": dp // ep}
+        mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, emesh,
+                   _admit=admit)
         # Each dim's group has connections of its own, set up through the store: a stranger
         # could pose as a member there, so it is admitted like the default group.
-        for dim in (*cls.DIMS, "dp"):
+        for dim in (*cls.DIMS, "dp", "ep", "edp"):
             if mesh.size(dim) > 1:
                 mesh._admitted(mesh.group(dim))
         return mesh
@@ -100,18 +116,29 @@ class Mesh:
 
     # -- any named dim
     def get(self, dim: str) -> DeviceMesh | None:
-        """The 1-D submesh of ``dim`` (one of DIMS or "dp"); None when the dim has size 1."""
+        """The 1-D submesh of ``dim`` (one of DIMS, "dp", "ep" or "edp"); None when the dim
+        has size 1."""
         if self.size(dim) == 1:
             return None
-        return self.dp_mesh if dim == "dp" else self.device_mesh[dim]
+        return self.submesh(dim)
 
     def submesh(self, *dims: str) -> DeviceMesh:
         """The submesh over ``dims`` (in mesh order), kept even where a size is 1 (FSDP's HSDP
         takes the 2-D ``("dp_replicate", "dp_shard")``)."""
-        return self.dp_mesh if dims == ("dp",) else self.device_mesh[dims if len(dims) > 1 else dims[0]]
+        if dims == ("dp",):
+            return self.dp_mesh
+        if dims in (("ep",), ("edp",)):
+            if self.expert_mesh is None:  # ep = 1: every rank holds every expert
+                if dims == ("ep",):
+                    raise ValueError("the mesh has no ep dim: parallel.ep is 1")
+                return self.dp_mesh
+            return self.expert_mesh[dims[0]]
+        return self.device_mesh[dims if len(dims) > 1 else dims[0]]
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        return self.dp_mesh.get_group() if dim == "dp" else self.device_mesh.get_group(dim)
+        if dim in ("dp", "ep", "edp"):
+            return self.submesh(dim).get_group()
+        return self.device_mesh.get_group(dim)
 
     def size(self, dim: str) -> int:
         if dim == "dp":
@@ -120,7 +147,9 @@ class Mesh:
 
     def local_rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim`` (or in the flattened ``dp``)."""
-        return self.dp_mesh.get_local_rank() if dim == "dp" else self.device_mesh.get_local_rank(dim)
+        if dim in ("dp", "ep", "edp"):
+            return 0 if self.size(dim) == 1 else self.submesh(dim).get_local_rank()
+        return self.device_mesh.get_local_rank(dim)
 
     # -- the data-parallel view used by the sampler, eval and the sync strategies
     @property

@@ -44,3 +44,24 @@ def validate_moe(e: MoEConfig, family: str) -> None:
     check(e.aux_coef >= 0, "moe.aux_coef", "must be >= 0", e.aux_coef)
     check(e.bias_rate > 0, "moe.bias_rate", "must be > 0", e.bias_rate)
     check(e.every >= 1, "moe.every", "must be >= 1", e.every)
+
+
+def check_ep(p, e: MoEConfig, sizes: dict[str, int] | None = None) -> None:
+    """``parallel.ep`` against the rest of the layout (``sizes``: the resolved mesh, when known)."""
+    check(p.ep >= 1, "parallel.ep", "must be >= 1", p.ep)
+    if p.ep == 1:
+        return
+    check(e.n_experts > 0 and e.n_experts % p.ep == 0, "parallel.ep",
+          f"must divide moe.n_experts={e.n_experts} (each rank holds n_experts / ep experts)", p.ep)
+    check(p.tp == 1, "parallel.ep", "is not supported with parallel.tp > 1 yet; set one of them to 1", p.ep)
+    check(p.zero != 1, "parallel.ep", "is not supported with parallel.zero=1; use zero 0, 2 or 3", p.ep)
+    check(p.sync == "allreduce", "parallel.ep", "needs parallel.sync=allreduce (the expert "
+          "gradients are reduced every step)", p.ep)
+    if sizes is None:
+        return
+    dp = sizes["dp_replicate"] * sizes["dp_shard"]
+    if p.zero >= 2:
+        check(sizes["dp_shard"] % p.ep == 0, "parallel.ep",
+              f"must divide parallel.dp_shard={sizes['dp_shard']} under zero {p.zero} (the expert "
+              f"ranks are carved out of the sharding ranks)", p.ep)
+    check(dp % p.ep == 0, "parallel.ep", f"must divide the {dp} data-parallel ranks", p.ep)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
-from allhands.config.moe import validate_moe
+from allhands.config.moe import check_ep, validate_moe
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
 from allhands.config.tree import Config
 from allhands.config.validate_model import validate_model
@@ -39,6 +39,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check(p.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", p.bucket_mb)
     check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0", p.timeout_s)
     check_parallel(p)
+    check_ep(p, cfg.moe)
     check(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)", c.interval)
     check(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
     check(c.mode in ("async", "sync"), "checkpoint.mode", "allowed: async, sync", c.mode)
@@ -77,6 +78,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
                f"must be divisible by data-parallel ranks x micro_batches = {dp} x {r.micro_batches} = {per}",
                r.global_batch)
         check_tp_pp(cfg, sizes)
+        check_ep(p, cfg.moe, sizes)
     if c.init_from and not Path(c.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {c.init_from!r} does not exist; pass a .safetensors "
                           f"file or a transformers directory written by `allhands export`")

@@ -24,6 +24,7 @@ from allhands.memory import log_memory, state_bytes
 from allhands.mesh import Mesh
 from allhands.models.moe import set_aux_scale, update_expert_bias
 from allhands.optim import build_optimizer
+from allhands.parallel.expert import reduce_expert_grads
 from allhands.parallel.parallelize import clip_grad_norm, parallelize
 from allhands.parallel.pipeline import Pipeline, build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import apply_zero1, optimizer_for_checkpoint
@@ -115,11 +116,13 @@ class Layout:
         """After the step's last backward: tied copies on different stages sum their gradients."""
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads()
+        if self.mesh.size("ep") > 1 and self.zero < 2:
+            reduce_expert_grads(self.parts, self.mesh)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (0: only measure) the norm of the whole model's gradient; returns it."""
         params = [q for part in self.parts for q in part.parameters()]
-        if self.pipeline is None and self.mesh.size("tp") == 1:
+        if self.pipeline is None and self.mesh.size("tp") == 1 and self.mesh.size("ep") == 1:
             return clip_grad_norm(params, max_norm if max_norm > 0 else math.inf)
         # the norm of the whole model: over tp/FSDP shards (mixed meshes) and pipeline stages
         pp_group = self.mesh.group("pp") if self.pipeline is not None else None
