@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from allhands.checkpoint import load_weights
 from allhands.config import ConfigError, validate
