@@ -8,6 +8,7 @@ reconciled -> clip -> AdamW step -> schedule step -> metrics -> maybe eval -> ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
-                                 check_compatible, load_weights, seed_rank)
+                                 builds_on_meta, check_compatible, load_weights, seed_rank,
+                                 sharded_loader)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
@@ -56,16 +58,23 @@ class Trainer:
         self.train_ds, self.val_ds = checked_data(self.train_ds, self.val_ds, r.global_batch)
         # Same seed on every rank for initialisation; DDP also broadcasts rank 0's weights.
         torch.manual_seed(r.seed)
-        raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
-        raw = checked_model(raw).to(mesh.device)
-        if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
-            load_weights(raw, cfg.checkpoint.init_from)
+        # a transformers directory fills each rank's cut of the model by slice, after
+        # parallelize (build_layout's load); under FSDP the model is built on the meta device
+        # first, so no rank holds all of it; other weights go whole into the plain module
+        meta = builds_on_meta(cfg, job.model is not None)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
+        raw = checked_model(raw) if meta else checked_model(raw).to(mesh.device)
+        init = cfg.checkpoint.init_from
+        load_cut = sharded_loader(init, mesh.device) if init else None
+        if init and load_cut is None:
+            load_weights(raw, init)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
         self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
-        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan)
+        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan, load=load_cut)
         del raw  # when the layout split it, the unsplit copy is not trained; free it
         self.parts, self.model = self.layout.parts, self.layout.model
         self.raw_model = self.parts[0]  # parallelized in place: its parameters are the trained ones

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -126,6 +127,37 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | No
     write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size,
              cfg.moe)
     return out, note
+
+
+def sharded_loader(path: str | os.PathLike,
+                   device: torch.device | str = "cpu") -> Callable[[nn.Module], nn.Module] | None:
+    """For a transformers directory, the function that fills a model already cut for this rank
+    (a pipeline stage, FSDP or tensor-parallel DTensor shards) with just the slices it holds,
+    read from the files by slice (models/hf.py); a part still on the meta device is first
+    allocated on ``device``, shards only. None for the other sources, which
+    :func:`load_weights` reads whole into the uncut model."""
+    if not is_hf_dir(Path(path)):
+        return None
+
+    def load(part: nn.Module) -> nn.Module:
+        if any(t.is_meta for t in part.parameters()):
+            part.to_empty(device=device)
+            for m in part.modules():  # buffers computed from the config (the RoPE table)
+                if callable(getattr(m, "init_buffers", None)):
+                    m.init_buffers()
+        return load_hf(part, Path(path))
+
+    return load
+
+
+def builds_on_meta(cfg, own_model: bool) -> bool:
+    """Whether a run builds its model on the meta device, so no rank ever holds all of it: it
+    starts from a transformers directory, which fills every parameter after the cut, under FSDP
+    (ZeRO-2/3) with all-reduce sync (DDP, DiLoCo and the others read real weights before then).
+    ``own_model``: the Python API was given a model (it may initialise more than the file holds)."""
+    p = cfg.parallel
+    return (not own_model and bool(cfg.checkpoint.init_from) and is_hf_dir(Path(cfg.checkpoint.init_from))
+            and p.zero >= 2 and p.sync == "allreduce")
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:

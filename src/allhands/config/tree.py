@@ -59,8 +59,8 @@ class ModelConfig:
                                "max_position_embeddings on export; 0 = seq_len")
     seq_len: int = _f(128, "context length in tokens (also the training sample length)")
     vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
-    dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
-    bias: bool = _f(True, "use bias in linear layers and layer norms")
+    dropout: float = _f(0.0, "gpt: dropout probability in attention and MLP, in [0, 1) (llama: 0)")
+    bias: bool = _f(True, "gpt: use bias in linear layers and layer norms (llama: see qkv_bias)")
     tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2), also across pp stages")
 
 
