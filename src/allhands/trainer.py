@@ -31,7 +31,8 @@ from allhands.evaluate import check_replicas, evaluate
 from allhands.heartbeat import Heartbeat
 from allhands.hooks import LoopHooks
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
-from allhands.job import Job, build_data, build_reference_model, lm_loss
+from allhands.data.examples import valid_targets
+from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, default_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
 from allhands.optim import lr_lambda
@@ -39,6 +40,7 @@ from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
 from allhands.stopflag import CleanStop
 from allhands.sync import SyncBuilder, build_sync
+from allhands.trackers import selected
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
@@ -70,7 +72,7 @@ class Trainer:
         if init and load_cut is None:
             load_weights(raw, init)
         seed_rank(r.seed, mesh.rank)
-        self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
+        self.loss_fn = checked_loss(job.loss) if job.loss else default_loss(self.train_ds)
         self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
@@ -169,12 +171,25 @@ class Trainer:
         if self.val_sampler is None or self.cfg.data.eval_batches == 0:
             return None
         return evaluate(self.layout, self.val_ds, self.val_sampler, self.cfg.data.eval_batches,
-                        self._to_device)
+                        self._to_device, weigh=lambda idx: self._begin_loss(self.val_ds, idx, calls=1))
+
+    def _begin_loss(self, ds, indices: list[int], calls: int) -> int:
+        """Weight of a batch of ``indices`` in a mean: its unmasked targets under the token
+        mean (which is told them, and its ``calls`` times the pipeline's), else its samples."""
+        if not isinstance(self.loss_fn, TokenMeanLoss):
+            return len(indices)
+        n = valid_targets(ds, indices)
+        pipeline = self.layout.pipeline  # cp: each rank of a cp group computes a part of each sample
+        self.loss_fn.begin(n, calls * self.mesh.size("cp") * (pipeline.n_microbatches if pipeline else 1))
+        return n
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.cfg.run
         micro = self.sampler.local_micro_batches(step, self.mesh.dp_rank, self.mesh.dp_size,
                                                  r.micro_batches)
+        if isinstance(self.loss_fn, TokenMeanLoss):  # every rank counts the whole global batch
+            self._begin_loss(self.train_ds, self.sampler.global_batch_indices(step),
+                             calls=self.mesh.dp_size * r.micro_batches)
         loss_sum = torch.zeros((), device=self.mesh.device)
         first, self._first = self._first, None  # fit read this step's first micro-batch ahead
         for i, idx in enumerate(micro):
@@ -228,7 +243,8 @@ class Trainer:
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
-                                progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
+                                progress_s=cfg.log.progress_s, config=cfg.to_dict(),
+                                trackers=selected(cfg.log.trackers, cfg.log.tensorboard))
         if ts.step < r.steps and self.hooks.reads_ahead:
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]

@@ -1,31 +1,22 @@
 """The one typed config tree: defaults < TOML file < ``--set section.field=value``.
 
 Every field carries a one-line doc in ``field(metadata={"doc": ...})`` so that
-``allhands config show`` and docs/configuration.md can print it. This module holds the tree,
-its merging and its TOML form; validate.py checks the values.
+``allhands config show`` and docs/configuration.md can print it. This module holds the tree
+and the merging of values into it; layering.py reads TOML files and ``--set`` items into it and
+writes it back; validate.py checks the values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from allhands.config.fields import _f
 from allhands.config.moe import MoEConfig
 from allhands.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
-
 
 
 
@@ -73,6 +64,10 @@ class DataConfig:
                       "(same tokenizer; instead of data.path)")
     seed: int = _f(1234, "seed of the sample order; the order is independent of the worker count")
     eval_batches: int = _f(4, "global eval batches drawn from the held-out split per evaluation")
+    packing: str = _f("concat", "how documents become rows: concat (windows of the token stream, "
+                                "across documents), mask (whole documents packed into rows, "
+                                "attention and positions kept inside each; model.family=llama), "
+                                "pad (one document a row)")
 
 
 @dataclass
@@ -101,10 +96,12 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
-    # The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (torchtitan's ParallelDims
-    # order); the product of the four sizes is the world size, and at most one of them is -1.
+    # The mesh is (pp, dp_replicate, dp_shard, cp, tp), outermost first (torchtitan's ParallelDims
+    # order); the product of the sizes is the world size, and at most one of them is -1.
     dp_shard: int = _f(1, "data-parallel ranks that shard the training state (ZeRO/FSDP); -1 = the rest")
     tp: int = _f(1, "tensor-parallel degree; -1 = the rest of the workers")
+    cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence (the Llama "
+                    "family; keys and values all-gathered per layer); -1 = the rest of the workers")
     pp: int = _f(1, "pipeline-parallel stages; -1 = the rest of the workers")
     zero: int = _f(0, "ZeRO stage over dp_shard: 0 DDP, 1 optimizer state, 2 +gradients, 3 +parameters")
     ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
@@ -207,6 +204,10 @@ class FaultConfig:
                                            "fails after this long (time for a host to come back), > 0")
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""The experiment trackers ``log.trackers`` may name (allhands/trackers.py)."""
+
+
 @dataclass
 class LogConfig:
     """What the run reports and where."""
@@ -215,7 +216,10 @@ class LogConfig:
     progress: bool = _f(True, "report progress on rank 0: a bar on a terminal, else plain lines")
     progress_s: float = _f(30.0, "when the output is not a terminal (a log file, a pipe): a plain "
                                  "progress line every this many seconds, >= 0; 0 disables")
-    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed; false leaves "
+                                 "tensorboard out of log.trackers")
+    trackers: list[str] = _f(["tensorboard"], "experiment trackers rank 0 logs to: tensorboard, wandb, "
+                                              "mlflow (a TOML list, or NAME,NAME in --set)")
 
 
 @dataclass
@@ -277,7 +281,14 @@ def _type_of(section: Any, name: str) -> type:
 
 
 def _coerce(value: Any, t: type, path: str) -> Any:
-    """Check a TOML value against the field type; ints are accepted for floats."""
+    """Check a TOML value against the field type; ints are accepted for floats, and a list of
+    strings is also accepted as one comma-separated string (``--set log.trackers=wandb,mlflow``)."""
+    if typing.get_origin(t) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{path}: expected a list of strings, got {type(value).__name__} {value!r}")
     if t is bool:
         if isinstance(value, bool):
             return value
@@ -307,76 +318,3 @@ def _merge(node: Any, d: Any, prefix: str) -> None:
             _merge(current, value, path + ".")
         else:
             setattr(node, key, _coerce(value, _type_of(node, key), path))
-
-
-def _parse_literal(raw: str) -> Any:
-    """Parse the right-hand side of ``--set`` as a TOML value, else take it as a string."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def apply_override(cfg: Config, item: str) -> None:
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.field=value, e.g. optim.lr=3e-4")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {item!r}: the key must be section.field, e.g. optim.lr")
-    section, name = parts
-    value = _parse_literal(raw.strip())
-    # A string field keeps exactly what was typed (a run name "1e3" stays a string).
-    node = getattr(cfg, section, None)
-    if dataclasses.is_dataclass(node) and name in {f.name for f in dataclasses.fields(node)}:
-        if _type_of(node, name) is str and not isinstance(value, str):
-            value = raw.strip()
-    _merge(cfg, {section: {name: value}}, "")
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults < TOML file < overrides, then validated. Raises ConfigError."""
-    cfg = Config()
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-        _merge(cfg, data, "")
-    for item in overrides:
-        apply_override(cfg, item)
-    return cfg
-
-
-# --------------------------------------------------------------------------- validation
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{s}"'
-
-
-def to_toml(cfg: Config, with_docs: bool = False) -> str:
-    """Render the tree as TOML that :func:`load_config` reads back to an equal Config."""
-    out: list[str] = []
-    for sec in dataclasses.fields(cfg):
-        node = getattr(cfg, sec.name)
-        if out:
-            out.append("")
-        out.append(f"[{sec.name}]")
-        for f in dataclasses.fields(node):
-            line = f"{f.name} = {_toml_value(getattr(node, f.name))}"
-            if with_docs:
-                line = f"{line:<34} # {f.metadata.get('doc', '')}"
-            out.append(line)
-    return "\n".join(out) + "\n"

@@ -14,7 +14,7 @@ from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
 from allhands.config.moe import check_ep, validate_moe
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
-from allhands.config.tree import Config
+from allhands.config.tree import TRACKERS, Config
 from allhands.config.validate_model import validate_model
 from allhands.errors import ConfigError
 
@@ -47,9 +47,17 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check_fault(cfg.fault)
     check_replica(cfg)
     check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
+    for t in lg.trackers:
+        check(t in TRACKERS, "log.trackers", "allowed: " + ", ".join(TRACKERS), t)
     check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
     check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
+    check(d.packing in ("concat", "mask", "pad"), "data.packing", "allowed: concat, mask, pad", d.packing)
+    if d.packing == "mask" and (m.family != "llama" or p.pp != 1):
+        raise ConfigError(f"data.packing: 'mask' needs the Llama family's document masks without "
+                          f"pipeline stages (a later stage sees no token ids to mask by); got "
+                          f"model.family={m.family!r}, parallel.pp={p.pp}: set model.family=llama "
+                          f"and parallel.pp=1, or data.packing=pad or concat")
     check(r.steps >= 1, "run.steps", "must be >= 1", r.steps)
     check(r.global_batch >= 1, "run.global_batch", "must be >= 1", r.global_batch)
     check(r.micro_batches >= 1, "run.micro_batches", "must be >= 1", r.micro_batches)

@@ -83,6 +83,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
+def document_positions(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of packed rows ``idx`` ``(B, T)``: its position in its document (restarting at
+    each document) and its document's index in the row. A document ends with ``doc_token``,
+    which still belongs to it (data/packing.py)."""
+    ar = torch.arange(idx.shape[1], device=idx.device)
+    ends = idx == doc_token
+    seg = torch.cumsum(ends, dim=1) - ends.long()  # documents ended before each token
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]  # a token right after an end starts a document
+    first = torch.cummax(torch.where(starts, ar, torch.zeros_like(ar)), dim=1).values
+    return ar - first, seg
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as SDPA's additive float mask (0 or -inf),
+    made once per forward: given a boolean one, SDPA on CPU converts it to float in every layer
+    and each layer's copy is kept for backward (measured: T x T x 4 bytes a layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def document_mask(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``(B, T)`` that restart at each document of a packed row, and the additive
+    attention mask ``(B, 1, T, T)`` that keeps each token inside its own document and causal."""
+    T = idx.shape[1]
+    pos, seg = document_positions(idx, doc_token)
+    same = seg[:, :, None] == seg[:, None, :]
+    return pos, additive((same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None])
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (Ainslie et al. 2023): ``n_kv_heads`` key and
     value heads each serve ``n_heads / n_kv_heads`` query heads (1 = multi-query, ``n_heads`` =
@@ -99,7 +128,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None for plain causal attention, or ``document_mask``'s ``(B, 1, T, T)``."""
         B, T, _ = x.shape
         # (B, T, heads * hd) -> (B, T, heads, hd); heads are the local ones under tensor parallel
         q = self.q_proj(x).view(B, T, -1, self.head_dim)
@@ -112,7 +143,9 @@ class Attention(nn.Module):
         # SDPA's own grouped-query broadcasting: on CPU (torch 2.13) it was faster than
         # expanding k and v with repeat_interleave first (bench/attention_gqa.py), and it
         # never materialises the repeated heads.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        # A document mask goes to SDPA as a dense boolean mask: flex_attention's block masks
+        # would skip whole blocks, but on CPU (torch 2.13) flex_attention has no backward.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 

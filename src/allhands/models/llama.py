@@ -14,7 +14,9 @@ Cuttable the way models/gpt.py is, without changing parameter names:
   skips absent parts: without ``tok_emb`` the input is the previous stage's hidden state
   ``(B, T, C)``, without ``norm`` and ``lm_head`` the output is the hidden state.
   The RoPE table is a non-persistent buffer every stage keeps, recomputed from the config.
-- ``positions`` ``(B, T)`` (default ``0 .. T-1``) lets packed documents restart their positions.
+- ``positions`` ``(B, T)`` (default ``0 .. T-1``) lets packed documents restart their positions;
+  with ``doc_token`` set (``data.packing = "mask"``) the model derives them, and a document mask,
+  from the row's end-of-document tokens itself.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from allhands.models.layers import Attention, RMSNorm, SwiGLU, rope_frequencies, rope_table
+from allhands.models.layers import (Attention, RMSNorm, SwiGLU, document_mask, rope_frequencies,
+                                    rope_table)
 from allhands.models.moe import GroupedExperts, MoE, MoEArgs
 
 
@@ -50,6 +53,7 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3
     tie_embeddings: bool = False
     moe: MoEArgs = MoEArgs()  # n_experts > 0: MoE feed-forward in the layers moe.is_moe names
+    doc_token: int = -1  # >= 0: rows are packed documents ending in this token (document masks)
 
     @property
     def kv_heads(self) -> int:
@@ -83,8 +87,9 @@ class Block(nn.Module):
         self.mlp = (MoE(cfg.dim, cfg.hidden, cfg.moe) if cfg.moe.is_moe(layer)
                     else SwiGLU(cfg.dim, cfg.hidden))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -135,7 +140,11 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``idx``: token ids ``(B, T)``, or on a later pipeline stage the hidden state
         ``(B, T, C)``; ``positions``: ``(B, T)`` position of each token (default ``0 .. T-1``)."""
-        T = idx.shape[1]
+        T, mask = idx.shape[1], None
+        if self.cfg.doc_token >= 0 and self.tok_emb is not None and positions is None:
+            # packed documents: positions restart and attention stays inside each document (under
+            # context parallelism the layout passes positions and masks attention itself)
+            positions, mask = document_mask(idx, self.cfg.doc_token)
         if T > self.cfg.seq_len and positions is None:
             raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
         if positions is None:
@@ -144,7 +153,7 @@ class Llama(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_emb(idx) if self.tok_emb is not None else idx
         for block in self.blocks.values():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         if self.norm is not None:
             x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else x

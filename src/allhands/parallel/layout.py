@@ -25,6 +25,7 @@ from allhands.mesh import Mesh
 from allhands.models.moe import set_aux_scale, update_expert_bias
 from allhands.optim import build_optimizer
 from allhands.parallel.expert import reduce_expert_grads
+from allhands.parallel.context import ContextParallel
 from allhands.parallel.parallelize import clip_grad_norm, parallelize
 from allhands.parallel.pipeline import Pipeline, build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import apply_zero1, optimizer_for_checkpoint
@@ -77,6 +78,7 @@ class Layout:
     zero: int
     precision: Precision
     pipeline: Pipeline | None = None
+    cp: ContextParallel | None = None  # parallel.cp > 1: this rank's part of every sequence
 
     @property
     def replica_dim(self) -> str:
@@ -85,7 +87,8 @@ class Layout:
     @property
     def reports_loss(self) -> bool:
         """This rank holds the loss (last pipeline stage) and is the one of its tp group to report it."""
-        return (self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
+        return ((self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
+                and self.mesh.local_rank("cp") == 0)
 
     def autocast(self) -> ContextManager:
         """The context forward/backward and evaluation run in (bf16 autocast or nothing)."""
@@ -106,11 +109,16 @@ class Layout:
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
-        loss = self.loss_fn(self.model(x), y) * scale
+        if self.cp is not None:  # this rank's part of each sequence, attention over all of it
+            x, y, kw = self.cp.shard(x, y)
+            with self.cp.attention():
+                loss = self.loss_fn(self.model(x, **kw), y) * scale
+        else:
+            loss = self.loss_fn(self.model(x), y) * scale
         if on_loss is not None:
             loss = on_loss(loss)
         loss.backward()
-        return loss.detach()
+        return loss.detach() if self.cp is None else self.cp.mean(loss)
 
     def after_backward(self) -> None:
         """After the step's last backward: tied copies on different stages sum their gradients."""
@@ -135,6 +143,10 @@ class Layout:
         """The unscaled loss of one batch without gradients (None on a rank without the last stage)."""
         if self.pipeline is not None:
             return self.pipeline.eval(x, y)
+        if self.cp is not None:
+            x, y, kw = self.cp.shard(x, y)
+            with self.cp.attention():
+                return self.cp.mean(self.loss_fn(self.parts[0](x, **kw), y))
         return self.loss_fn(self.parts[0](x), y)
 
     def train(self) -> None:
@@ -197,6 +209,9 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
     if pipeline is not None:
         pipeline.modules = wrapped
         pipeline.start(mesh.device, loss_fn)
+    cp = None
+    if mesh.size("cp") > 1:  # the model masks documents by this token (data.packing=mask)
+        cp = ContextParallel(mesh, doc_token=getattr(getattr(model, "cfg", None), "doc_token", -1))
     optimizer = build_optimizer(parts, cfg)
     if cfg.moe.n_experts and cfg.moe.balance == "bias":
         # DeepSeek-V3's bias step after each update, on loads summed over the data ranks
@@ -206,4 +221,4 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
     if p.zero == 1:
         optimizer = apply_zero1(optimizer, mesh)
     return Layout(parts, wrapped[0] if len(wrapped) == 1 else wrapped, optimizer, mesh, loss_fn,
-                  p.zero, prec, pipeline)
+                  p.zero, prec, pipeline, cp)
