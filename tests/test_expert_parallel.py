@@ -72,3 +72,19 @@ def test_ep_layout_errors_name_the_field(token_dir, tmp_path):
     cfg = tiny_config(token_dir, tmp_path / "x", *MOE, "parallel.ep=4")
     with pytest.raises(ConfigError, match="parallel.ep"):
         validate(cfg, world_size=2)
+
+
+def test_metrics_record_expert_load_balancing_loss_and_all_to_all(token_dir, tmp_path):
+    import json
+
+    cfg = tiny_config(token_dir, tmp_path / "run", *MOE, "parallel.ep=2", "moe.balance=aux",
+                      "run.steps=2", "run.global_batch=4")
+    done = train_job(cfg, LaunchSpec(nproc=2))
+    rec = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+           if '"moe_load"' in line]
+    assert len(rec) == 2
+    r = rec[-1]
+    # every (token, expert) pair counted once: 4 samples x 16 tokens x top-2, per layer
+    assert [sum(row) for row in r["moe_load"]] == [4 * 16 * 2] * done.model.n_layer
+    assert r["moe_tokens_per_expert_min"] <= 32 <= r["moe_tokens_per_expert_max"]
+    assert r["moe_aux_loss"] > 0 and r["moe_a2a_bytes"] > 0 and r["moe_a2a_time"] > 0

@@ -194,8 +194,10 @@ class MoE(nn.Module):
         self.dispatcher = None  # parallel/expert.py: rows to the ranks of their experts and back
         self.aux_scale = 1.0
         self.last_aux: torch.Tensor | None = None
-        # routed pairs per expert since the last bias update (int64: model.to(dtype) keeps it)
+        # routed pairs per expert since the last bias update (int64: model.to(dtype) keeps it),
+        # and since the last logged step (parallel/moe_metrics.py)
         self.register_buffer("load", torch.zeros(a.n_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("tokens", torch.zeros(a.n_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
@@ -221,6 +223,7 @@ class MoE(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.load += counts
+                self.tokens += counts
         if self.training and self.a.balance == "aux" and self.a.aux_coef > 0:
             f = counts.to(scores.dtype) / pairs.numel()
             p = scores if self.a.score == "softmax" else scores / scores.sum(-1, keepdim=True)

@@ -118,7 +118,7 @@ def ddp_ignored(model: nn.Module) -> list[str]:
     out = []
     for mn, mod in model.named_modules():
         if isinstance(mod, MoE):
-            out.append(f"{mn}.load")
+            out += [f"{mn}.load", f"{mn}.tokens"]
             if mod.dispatcher is not None:
                 out += [f"{mn}.experts.{pn}" for pn, _ in mod.experts.named_parameters()]
     return out
