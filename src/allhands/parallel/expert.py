@@ -40,27 +40,32 @@ from allhands.models.moe import GroupedExperts, MoE, moe_layers
 
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows ``x`` ``(sum(send), H)`` -> ``(sum(recv), H)``;
-    backward sends the gradients the reverse way."""
+    backward sends the gradients the reverse way. ``meter`` (a :class:`Dispatcher`) adds the
+    seconds of both."""
 
     @staticmethod
-    def forward(ctx, x, recv: list[int], send: list[int], group):
-        ctx.recv, ctx.send, ctx.group = recv, send, group
+    def forward(ctx, x, recv: list[int], send: list[int], group, meter):
+        ctx.recv, ctx.send, ctx.group, ctx.meter = recv, send, group, meter
+        t = time.perf_counter()
         out = x.new_empty(sum(recv), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        meter.seconds += time.perf_counter() - t
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        t = time.perf_counter()
         back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
         dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None
+        ctx.meter.seconds += time.perf_counter() - t
+        return back, None, None, None, None
 
 
 class Dispatcher:
     """Moves one MoE layer's sorted rows to the ranks of their experts and back (see above).
-    Counts what it moves: ``bytes`` (payload sent by this rank, both directions, forward only)
-    and ``seconds`` (forward time inside the exchanges), summed until :func:`comm_stats` reads
-    them."""
+    Counts what it moves: ``bytes`` (payload this rank sends to other ranks in the forward
+    dispatch and combine; backward sends the same again) and ``seconds`` (inside the exchanges,
+    forward and backward), summed until :func:`comm_stats` reads them."""
 
     def __init__(self, group: dist.ProcessGroup, ep: int):
         self.group, self.ep = group, ep
@@ -68,9 +73,7 @@ class Dispatcher:
         self.seconds = 0.0
 
     def _exchange(self, x, recv, send, me: int):
-        t = time.perf_counter()
-        out = AllToAll.apply(x, recv, send, self.group)
-        self.seconds += time.perf_counter() - t
+        out = AllToAll.apply(x, recv, send, self.group, self)
         self.bytes += (sum(send) - send[me]) * x[0].numel() * x.element_size() if x.numel() else 0
         return out
 
