@@ -79,8 +79,8 @@ class Mesh:
         dev = pick_device(device, local_rank)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
-        sizes = mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp),
-                           world_size)
+        sizes = {"cp": 1, **mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+                                                       pp=pp, cp=cp), world_size)}
         timeout = datetime.timedelta(seconds=timeout_s)
         admit = False  # launched workers prove the job secret on every group they will use
         if not dist.is_initialized():

@@ -176,12 +176,11 @@ class Trainer:
 
     def _begin_loss(self, ds, indices: list[int], calls: int) -> int:
         """Weight of a batch of ``indices`` in a mean: its unmasked targets under the token
-        mean (which is told them, and its ``calls`` times the pipeline's), else its samples."""
+        mean (which is told them, and its ``calls`` times the layout's splits), else its samples."""
         if not isinstance(self.loss_fn, TokenMeanLoss):
             return len(indices)
         n = valid_targets(ds, indices)
-        pipeline = self.layout.pipeline  # cp: each rank of a cp group computes a part of each sample
-        self.loss_fn.begin(n, calls * self.mesh.size("cp") * (pipeline.n_microbatches if pipeline else 1))
+        self.loss_fn.begin(n, calls * self.layout.loss_splits())
         return n
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,8 +48,9 @@ def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
     for v in given.values():
         fixed *= v if v != -1 else 1
     shown = " x ".join(f"{d}={v}" for d, v in (("dp_replicate", p.dp_replicate),
-                                                  ("dp_shard", p.dp_shard), ("cp", p.cp), ("tp", p.tp),
-                                                  ("pp", p.pp)))
+                                                  ("dp_shard", p.dp_shard),
+                                                  *((("cp", p.cp),) if p.cp != 1 else ()),
+                                                  ("tp", p.tp), ("pp", p.pp)))
     rest = [d for d, v in given.items() if v == -1]
     if rest:
         if world_size % fixed:
@@ -59,6 +60,8 @@ def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
     elif fixed != world_size:
         raise ConfigError(f"parallel: {shown} = {fixed}, but the job has {world_size} workers; "
                           f"make the product {world_size} or set one dim to -1")
+    if given["cp"] == 1:  # context parallelism is named only where it is used
+        del given["cp"]
     return given
 
 
@@ -85,7 +88,7 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     """Tensor/pipeline layouts the reference model and the batch cannot honour, caught before
     start instead of as a shape error or a hang inside a collective."""
     m, p, r = cfg.model, cfg.parallel, cfg.run
-    tp, pp, cp = sizes["tp"], sizes["pp"], sizes["cp"]
+    tp, pp, cp = sizes["tp"], sizes["pp"], sizes.get("cp", 1)
     if cp > 1:
         check_cp(cfg, cp, tp, pp)
     if tp > 1:

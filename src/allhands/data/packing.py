@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from allhands.data.examples import IGNORE
 from allhands.errors import DataError
 
-IGNORE = -100  # F.cross_entropy's default ignore_index
 PACKINGS = ("concat", "mask", "pad")
 
 

@@ -90,6 +90,11 @@ class Layout:
         return ((self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
                 and self.mesh.local_rank("cp") == 0)
 
+    def loss_splits(self) -> int:
+        """Into how many loss calls this layout cuts each micro-batch: the pipeline's
+        microbatches, times the cp ranks that each hold a part of every sample."""
+        return (self.pipeline.n_microbatches if self.pipeline is not None else 1) * self.mesh.size("cp")
+
     def autocast(self) -> ContextManager:
         """The context forward/backward and evaluation run in (bf16 autocast or nothing)."""
         if self.precision.autocast:

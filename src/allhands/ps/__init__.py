@@ -6,6 +6,7 @@ because it is its own protocol:
 
 - ``client.py``  the worker side, a sync strategy (``PSSync``) the one training loop calls
 - ``server.py``  the server loop: rounds (sync), Downpour (async), bounded staleness
+- ``replies.py`` when a server answers a worker, per mode
 - ``shard.py``   a server's slice of the parameters and its optimizer, checkpointed
 - ``rows.py``    embedding tables whose rows are fetched on demand
 - ``messages.py`` the worker's sends and receives to each server, a failed link remembered
