@@ -182,6 +182,10 @@ def _fit_error(path: Path, missing: list[str], shapes: list[tuple[str, tuple, tu
                            f"{', '.join(parts)} tensors; use the model config it was exported from")
 
 
+def _whole(m: Llama) -> bool:
+    return m.tok_emb is not None and m.lm_head is not None and len(m.blocks) == m.cfg.n_layers
+
+
 def _copy_rows(local: torch.Tensor, index: tuple[slice, ...] | None, read) -> None:
     """Fill ``local``, the block ``index`` of a global tensor (None: all of it), from
     ``read(block)``, rows in chunks of about 8 MiB, so the buffer a read fills stays small."""
@@ -231,6 +235,13 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
                 sources[k] = lambda idx, n=theirs: reader.read(n, idx)
                 shape_of[k] = reader.shape(theirs)
                 files[k] = reader.file_of(theirs)
+    if isinstance(module, Llama) and _whole(module):  # a stage holds a subset of the file
+        used = {llama_hf.hf_name(k) for k in own} | {llama_hf.TIED[1]}
+        extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise CheckpointError(f"checkpoint.init_from: {str(path)!r} does not fit the model: "
+                                  f"{len(extra)} unexpected (e.g. {extra[0]!r}) tensors; use the "
+                                  f"model config it was exported from")
     for k, t in own.items():
         if k not in sources:
             missing.append(k)
