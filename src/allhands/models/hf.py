@@ -236,7 +236,12 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
                 shape_of[k] = reader.shape(theirs)
                 files[k] = reader.file_of(theirs)
     if isinstance(module, Llama) and _whole(module):  # a stage holds a subset of the file
-        used = {llama_hf.hf_name(k) for k in own} | {llama_hf.TIED[1]}
+        used = {llama_hf.TIED[1]}
+        for k in own:
+            if c["model_type"] in moe_hf.KINDS and moe_hf.is_moe_name(k):
+                used |= set(moe_hf.expert_names(k, c["model_type"], experts) or ())
+            else:
+                used.add(llama_hf.hf_name(k))
         extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
         if extra:
             raise CheckpointError(f"checkpoint.init_from: {str(path)!r} does not fit the model: "
