@@ -17,6 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 from allhands.errors import ConfigError  # noqa: E402
 from allhands.models.hf import from_hf, hf_config_json, to_hf  # noqa: E402
 from allhands.models.moe import MoE  # noqa: E402
+from test_hf_families import _logits, _saved as saved_hf  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -42,19 +43,8 @@ def offline(monkeypatch):
 
 
 def _saved(tmp_path, name: str):
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # routers and norms away from their init, so each one counts
-            p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path / "hf")
-    return hf, tmp_path / "hf"
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out.logits if hasattr(out, "logits") else out
+    # routers and norms away from their init, so each one counts
+    return saved_hf(tmp_path, name, FAMILIES, noise=0.1)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
