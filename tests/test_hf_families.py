@@ -42,12 +42,12 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def _saved(tmp_path, name: str):
+def _saved(tmp_path, name: str, families: dict | None = None, noise: float = 0.05):
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config((families or FAMILIES)[name]()).eval()
     with torch.no_grad():
         for p in hf.parameters():  # norms and biases away from their init, so each one counts
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(noise * torch.randn_like(p))
     hf.save_pretrained(tmp_path / "hf")
     return hf, tmp_path / "hf"
 

@@ -125,7 +125,8 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | No
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {str(out)!r} is a file; --format hf writes a directory")
-    write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size)
+    write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size,
+             cfg.moe)
     if tokenizer is not None:
         _copy_tokenizer_config(cfg, out)
     return out, note
