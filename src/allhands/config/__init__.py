@@ -1,12 +1,14 @@
-"""The typed config tree (tree.py) and its validation (validate.py), under one name."""
+"""The typed config tree (tree.py) and its validation (validate.py and the per-section checks
+it calls), under one name."""
 
 from allhands.config.tree import (CheckpointConfig, Config, DataConfig, FaultConfig, LogConfig,
                                   ModelConfig, OptimConfig, ParallelConfig, PSConfig, RunConfig,
                                   SyncConfig,
                                   apply_override, load_config, to_toml)
-from allhands.config.validate import (MESH_DIMS, PP_SCHEDULES, SYNC_MODES, mesh_sizes, parse_mix,
-                                      pp_microbatches, pp_stages_per_rank, replica_group_config,
-                                      replica_group_size, validate)
+from allhands.config.layout_checks import (MESH_DIMS, PP_SCHEDULES, mesh_sizes, pp_microbatches,
+                                           pp_stages_per_rank)
+from allhands.config.mode_checks import SYNC_MODES, replica_group_config, replica_group_size
+from allhands.config.validate import parse_mix, validate
 from allhands.errors import ConfigError
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultConfig", "LogConfig",

@@ -1,0 +1,105 @@
+"""``allhands prepare``, ``export`` and ``report``: data in (token shards), weights out
+(safetensors, transformers directories), plots of a run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from allhands.errors import ConfigError
+
+
+def _bpe_vocab(spec: str) -> int:
+    kind, _, vocab = spec.partition(":")
+    if kind != "bpe" or not vocab.isdigit():
+        raise ConfigError(f"--train-tokenizer: {spec!r} is not allowed; use bpe:VOCAB, e.g. bpe:8192")
+    return int(vocab)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from allhands.data.corpus import prepare_corpus
+    from allhands.errors import DataError
+
+    if args.workers < 0:
+        raise ConfigError(f"--workers: {args.workers} is not allowed; must be >= 0 (0 = one per core)")
+    if args.train_tokenizer and args.tokenizer != "byte":
+        raise ConfigError("--train-tokenizer: trains a new tokenizer; drop --tokenizer or this option")
+    try:
+        meta = prepare_corpus(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field,
+                              train_bpe_vocab=_bpe_vocab(args.train_tokenizer) if args.train_tokenizer else 0,
+                              eot=args.eot, val_fraction=args.val_fraction, workers=args.workers,
+                              progress=not args.quiet and sys.stderr.isatty())
+    except DataError as e:  # bad input found before any shard is written: invalid input, exit 2
+        raise ConfigError(str(e)) from None
+    except KeyboardInterrupt:
+        print("allhands: interrupted; run the same command again to continue where it stopped",
+              file=sys.stderr)
+        return 130
+    n = {k: sum(e["tokens"] for e in v) for k, v in meta["splits"].items()}
+    print(f"allhands: wrote {n['train']:,} train and {n['val']:,} val tokens to {args.out} "
+          f"(tokenizer {meta['tokenizer']}, vocabulary {meta['vocab_size']:,}, {meta['dtype']})")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from allhands.report import make_report
+
+    for path in make_report(Path(args.run_dir)):
+        print(path)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from allhands.checkpoint.export import export_hf, export_weights
+    from allhands.errors import DataError
+
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"export: {args.run_dir!r} is not a directory; pass a run directory")
+    if args.format == "safetensors":
+        out = export_weights(args.run_dir, args.out, step=args.step)
+    else:
+        try:
+            out, note = export_hf(args.run_dir, args.out, step=args.step)
+        except DataError as e:  # the tokenizers library is missing
+            raise ConfigError(str(e)) from None
+        if note:
+            print(f"allhands: {note}", file=sys.stderr)
+    print(f"allhands: wrote {out}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("prepare", help="turn a local corpus into token shards (started again, it continues)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files, globs or directories: .txt (one document each), .jsonl[.gz|.zst], "
+                        ".parquet, .arrow, or a datasets save_to_disk directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--field", "--column", dest="field", default="text",
+                   help="JSON field or parquet/Arrow column holding the text (default: text)")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER_JSON",
+                   help="byte (default) or a Hugging Face tokenizer.json")
+    p.add_argument("--train-tokenizer", default="", metavar="bpe:VOCAB",
+                   help="train a byte-level BPE with VOCAB ids on the inputs and use it")
+    p.add_argument("--eot", default="", metavar="TOKEN",
+                   help="end-of-document token of --tokenizer (default: <|endoftext|>, </s>, ...)")
+    p.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of tokens")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none when stderr is no terminal)")
+    p.set_defaults(fn=cmd_prepare)
+
+    e = sub.add_parser("export", help="write a run's weights as one .safetensors file or a "
+                                      "transformers GPT-2 directory (start a run from either "
+                                      "with checkpoint.init_from)")
+    e.add_argument("run_dir", help="a run directory made by `allhands train`")
+    e.add_argument("--out", required=True, help="output file (its name must end in .safetensors), "
+                                                "or a directory with --format hf")
+    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors (allhands' names) or hf: config.json, model.safetensors and "
+                        "the tokenizer, for GPT2LMHeadModel.from_pretrained")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    e.set_defaults(fn=cmd_export)
+
+    r = sub.add_parser("report", help="draw PNG plots of a run")
+    r.add_argument("run_dir", help="a run directory made by `allhands train`; plots go to RUN_DIR/report")
+    r.set_defaults(fn=cmd_report)
