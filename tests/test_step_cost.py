@@ -1,10 +1,13 @@
-"""What a step costs beyond its math: the collectives each rank issues on a step that does not
-log (only the gradients' own), on a logged one (one all_gather more), and the heartbeat that a
-background thread writes. docs/architecture.md ("What each rank does per step") is the contract."""
+"""What a step and a start cost beyond the math: the collectives each rank issues on a step that
+does not log (only the gradients' own), on a logged one (one all_gather more), the heartbeat
+that a background thread writes, and the start-up phases ``--verbose`` names.
+docs/architecture.md ("What each rank does per step") is the contract."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,7 +15,7 @@ from allhands.heartbeat import WRITE_EVERY_S, Heartbeat, read_heartbeats
 from allhands.launch.launcher import LaunchSpec, launch
 from allhands.launch.rundir import resolve_run
 
-from conftest import tiny_config
+from conftest import ALLHANDS, ROOT, tiny_config
 
 # Every collective a Python caller can issue; DDP's gradient buckets go through dist.all_reduce
 # too (torch's default allreduce_hook and the PowerSGD hook call it), so they are counted.
@@ -105,3 +108,19 @@ def test_heartbeat_after_the_first_steps_is_written_by_a_thread_with_the_beats_t
     assert read_heartbeats(tmp_path)[0][2] == t
     hb.beat(10, done=True)
     assert read_heartbeats(tmp_path)[0][1:5:3] == (10, True) and hb._thread is None
+
+
+def test_verbose_names_every_start_up_phase_up_to_the_first_step(tmp_path, cli_env):
+    r = subprocess.run([*ALLHANDS, "train", str(ROOT / "examples" / "configs" / "tiny.toml"), "--nproc",
+                        "2", "--verbose", "--set", "run.steps=2", "--set", f"run.dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, env=cli_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    said = re.findall(r"^allhands: (.+) took ([0-9.]+) s(?: \(([0-9.]+) s since the command\))?$",
+                      r.stderr, re.M)
+    names = [n for n, _, _ in said]
+    assert names == ["importing torch and the launcher",
+                     "the launcher's start (python, imports, config, run directory, worker server)",
+                     "starting 2 workers", "the workers' rendezvous (process groups)",
+                     "building the data, model and layout", "the first step"], r.stderr
+    since = [float(s) for _, _, s in said[2:]]
+    assert since == sorted(since) and float(said[1][1]) <= since[0]  # one clock, from the command
