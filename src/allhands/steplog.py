@@ -28,6 +28,11 @@ class StepLog:
         self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
         self.agreed: tuple[int, float] = (0, 0.0)  # the last gather's (stop signal, step time)
 
+    @property
+    def window_steps(self) -> int:
+        """Steps since the last logged one, this one included."""
+        return self._window[0]
+
     def step_done(self, dt: float) -> None:
         self._window[0] += 1
         self._window[1] += dt

@@ -1,9 +1,9 @@
 """Validating the config tree before any worker starts: every problem is a ConfigError whose
 message starts with the dotted path of the field and says what is allowed.
 
-One module per part of the tree: this one the model, optimizer, run, checkpoint, log and data
-sections and the order of the checks; layout_checks.py the parallel section (mesh, ZeRO, tp,
-pp); mode_checks.py the sync, ps and fault sections (how replicas reconcile, and recover)."""
+One module per part of the tree: this one the optimizer, run, checkpoint, log and data
+sections and the order of the checks; validate_model.py the model section; layout_checks.py the
+parallel section (mesh, ZeRO, tp, pp); mode_checks.py the sync, ps and fault sections (how replicas reconcile, and recover)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,18 @@ from pathlib import Path
 
 from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
+from allhands.config.moe import check_ep, validate_moe
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
-from allhands.config.tree import Config
+from allhands.config.tree import TRACKERS, Config
+from allhands.config.validate_model import validate_model
 from allhands.errors import ConfigError
 
 
 def validate(cfg: Config, world_size: int | None = None, need_data: bool = True) -> None:
     """Raise ConfigError for the first impossible value. ``world_size`` enables batch checks."""
     m, o, r, p, c, lg, d = cfg.model, cfg.optim, cfg.run, cfg.parallel, cfg.checkpoint, cfg.log, cfg.data
-    for name in ("n_layer", "n_head", "n_embd", "seq_len"):
-        check(getattr(m, name) >= 1, f"model.{name}", "must be >= 1", getattr(m, name))
-    check(m.n_embd % m.n_head == 0, "model.n_embd",
-           f"must be divisible by model.n_head={m.n_head}", m.n_embd)
-    check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)", m.vocab_size)
-    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)", m.dropout)
+    validate_model(m)
+    validate_moe(cfg.moe, m.family)
     check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]", o.min_lr_ratio)
     check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
@@ -41,6 +39,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check(p.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", p.bucket_mb)
     check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0", p.timeout_s)
     check_parallel(p)
+    check_ep(p, cfg.moe)
     check(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)", c.interval)
     check(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
     check(c.mode in ("async", "sync"), "checkpoint.mode", "allowed: async, sync", c.mode)
@@ -48,9 +47,17 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check_fault(cfg.fault)
     check_replica(cfg)
     check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
+    for t in lg.trackers:
+        check(t in TRACKERS, "log.trackers", "allowed: " + ", ".join(TRACKERS), t)
     check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
     check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
+    check(d.packing in ("concat", "mask", "pad"), "data.packing", "allowed: concat, mask, pad", d.packing)
+    if d.packing == "mask" and (m.family != "llama" or p.pp != 1):
+        raise ConfigError(f"data.packing: 'mask' needs the Llama family's document masks without "
+                          f"pipeline stages (a later stage sees no token ids to mask by); got "
+                          f"model.family={m.family!r}, parallel.pp={p.pp}: set model.family=llama "
+                          f"and parallel.pp=1, or data.packing=pad or concat")
     check(r.steps >= 1, "run.steps", "must be >= 1", r.steps)
     check(r.global_batch >= 1, "run.global_batch", "must be >= 1", r.global_batch)
     check(r.micro_batches >= 1, "run.micro_batches", "must be >= 1", r.micro_batches)
@@ -79,6 +86,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
                f"must be divisible by data-parallel ranks x micro_batches = {dp} x {r.micro_batches} = {per}",
                r.global_batch)
         check_tp_pp(cfg, sizes)
+        check_ep(p, cfg.moe, sizes)
     if c.init_from and not Path(c.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {c.init_from!r} does not exist; pass a .safetensors "
                           f"file or a transformers directory written by `allhands export`")
