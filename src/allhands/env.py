@@ -6,6 +6,7 @@ environment variables; worker-side code asks here instead of reading ``os.enviro
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,16 @@ def worker_env() -> WorkerEnv:
                      int(e.get("ALLHANDS_LAUNCHER_PID", 0) or 0) if launched else 0,
                      launched and e.get("ALLHANDS_VERBOSE") == "1",
                      float(e.get("ALLHANDS_COMMAND_AT", 0) or 0) if launched else 0.0)
+
+
+def pass_verbose(verbose: bool) -> None:
+    """Launcher side of --verbose: tell the workers (and say how long this process took to get
+    here: python, imports, config, run directory, worker server)."""
+    started = process_started_at()
+    os.environ.update(ALLHANDS_VERBOSE="1" if verbose else "", ALLHANDS_COMMAND_AT=repr(started))
+    if verbose:
+        print(f"allhands: the launcher's start (python, imports, config, run directory, worker "
+              f"server) took {time.time() - started:.3f} s", file=sys.stderr, flush=True)
 
 
 def process_started_at() -> float:

@@ -29,10 +29,9 @@ import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from allhands import admission, safefs
+from allhands import admission, safefs, env as envs
 from allhands.authstore import IntrusionError
 from allhands.config import Config, replica_group_size, validate
-from allhands.env import process_started_at
 from allhands.errors import ConfigError, Interrupted, LaunchError
 from allhands.launch import forkstart, rendezvous, stop
 from allhands.launch.elastic import node_label, run_agent
@@ -112,8 +111,7 @@ class LaunchSpec:
     rdzv_store: str = "node0"
     """Who serves the rendezvous store: node 0's agent, or an ``allhands rendezvous-store``
     process every node dials (``external``), so that losing node 0 is survivable too."""
-    verbose: bool = False
-    """Say how long every start-up phase took, from the command to the first step."""
+    verbose: bool = False  # say how long every start-up phase took, up to the first step
 
     @property
     def multi_node(self) -> bool:
@@ -227,19 +225,13 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     if policy is None:
         policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
 
-    command_at = process_started_at()
-
     def attempt(n: int, heartbeat_dir: Path) -> None:
         # The workers inherit these; worker_env() reads them back.
         os.environ["ALLHANDS_ATTEMPT"] = str(n)
         os.environ["ALLHANDS_HEARTBEAT_DIR"] = str(heartbeat_dir)
         os.environ["ALLHANDS_STARTED_AT"] = repr(time.time())  # rank 0 says a slow start
         os.environ["ALLHANDS_LAUNCHER_PID"] = str(os.getpid())  # a forked worker's parent is not
-        os.environ["ALLHANDS_VERBOSE"] = "1" if spec.verbose else ""
-        os.environ["ALLHANDS_COMMAND_AT"] = repr(command_at)
-        if spec.verbose:
-            print(f"allhands: the launcher's start (python, imports, config, run directory, worker "
-                  f"server) took {time.time() - command_at:.3f} s", file=sys.stderr, flush=True)
+        envs.pass_verbose(spec.verbose)  # --verbose: the workers say every phase, from the command
         _launch_once(entrypoint, args, spec, log_dir=log_dir,
                      policy=policy if spec.multi_node else None, heartbeat_dir=heartbeat_dir,
                      run_dir=run_dir, timeouts=timeouts)
