@@ -6,6 +6,8 @@ environment variables; worker-side code asks here instead of reading ``os.enviro
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +70,8 @@ class WorkerEnv:
     heartbeat_dir: str = ""  # where the supervisor's hang watchdog expects heartbeats
     started_at: float = 0.0  # time.time() when the launcher started this attempt; 0: unknown
     launcher_pid: int = 0  # the launcher's process (a worker's parent may be its forkserver); 0: unknown
+    verbose: bool = False  # --verbose: say every start-up phase, however short
+    command_at: float = 0.0  # time.time() when the launcher's process started; 0: unknown
 
 
 def worker_env() -> WorkerEnv:
@@ -79,7 +83,31 @@ def worker_env() -> WorkerEnv:
                      launched, attempt if launched else 0,
                      e.get("ALLHANDS_HEARTBEAT_DIR", "") if launched else "",
                      float(e.get("ALLHANDS_STARTED_AT", 0) or 0) if launched else 0.0,
-                     int(e.get("ALLHANDS_LAUNCHER_PID", 0) or 0) if launched else 0)
+                     int(e.get("ALLHANDS_LAUNCHER_PID", 0) or 0) if launched else 0,
+                     launched and e.get("ALLHANDS_VERBOSE") == "1",
+                     float(e.get("ALLHANDS_COMMAND_AT", 0) or 0) if launched else 0.0)
+
+
+def pass_verbose(verbose: bool) -> None:
+    """Launcher side of --verbose: tell the workers (and say how long this process took to get
+    here: python, imports, config, run directory, worker server)."""
+    started = process_started_at()
+    os.environ.update(ALLHANDS_VERBOSE="1" if verbose else "", ALLHANDS_COMMAND_AT=repr(started))
+    if verbose:
+        print(f"allhands: the launcher's start (python, imports, config, run directory, worker "
+              f"server) took {time.time() - started:.3f} s", file=sys.stderr, flush=True)
+
+
+def process_started_at() -> float:
+    """time.time() when this process started, to 10 ms (Linux: /proc; its start in clock
+    ticks after boot against the uptime now), or now where that is unknown."""
+    now = time.time()
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return now
 
 
 def gloo_interface() -> str | None:

@@ -1,6 +1,6 @@
 """The heartbeat files between a worker and its supervisor's hang watchdog.
 
-Each worker writes ``rank-R`` in the launcher's heartbeat directory at the top of every step
+Each worker records ``rank-R`` in the launcher's heartbeat directory at the top of every step
 ('pid step time host done first'); the launcher reads them to find a hung rank and to tell
 whether an attempt completed a step before it failed.
 """
@@ -9,30 +9,73 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+# A beat costs the loop an assignment; a thread writes the newest one at most this often. The
+# file is then at most this much older than the beat, far below any sensible hang timeout.
+WRITE_EVERY_S = 0.2
+
 
 class Heartbeat:
     """Worker side: ``rank-R`` in the launcher's heartbeat directory holds 'pid step time host'.
 
-    Written by rename, so the watchdog never reads half a line. A no-op outside a supervised job.
+    Written by rename, so the watchdog never reads half a line. The first three beats (a
+    completed step shows as the first + 2, ``progressed``) and the last are written at once;
+    the others by a background thread within WRITE_EVERY_S, off the training loop's path (a
+    file write and rename a step was a measurable share of a small step). The time written is
+    the beat's own, so a rank that stopped beating goes stale as before. A no-op outside a
+    supervised job.
     """
 
     def __init__(self, directory: str, rank: int):
         self.path = Path(directory) / f"rank-{rank}" if directory else None
         self.pid, self.host = os.getpid(), socket.gethostname()
         self.first: int | None = None
+        self._latest: tuple[int, float, bool] | None = None  # (step, time, done) of the last beat
+        self._written: tuple[int, float, bool] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def beat(self, step: int, done: bool = False) -> None:
         if self.path is None:
             return
         self.first = step if self.first is None else self.first
-        tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
-        tmp.write_text(f"{self.pid} {step} {time.time()!r} {self.host} {int(done)} {self.first}\n")
-        os.replace(tmp, self.path)
+        self._latest = (step, time.time(), done)  # one assignment: the thread reads it whole
+        if done or step <= self.first + 2:
+            self.close()
+            self._write()
+        elif self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="allhands-heartbeat", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the writer thread (the next throttled beat starts it again)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self._write()
+
+    def _run(self) -> None:
+        while not self._stop.wait(WRITE_EVERY_S):
+            self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            latest = self._latest
+            if latest is None or latest == self._written:
+                return
+            step, t, done = latest
+            tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
+            tmp.write_text(f"{self.pid} {step} {t!r} {self.host} {int(done)} {self.first}\n")
+            os.replace(tmp, self.path)
+            self._written = latest
 
 
 @dataclass

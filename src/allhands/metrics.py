@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from allhands.env import worker_env
 from allhands.safefs import open_private
 from allhands.trackers import Trackers
 
@@ -24,7 +25,12 @@ SLOW_PHASE_S = 3.0
 
 
 def slow_phase(what: str, seconds: float) -> str | None:
-    """``allhands: WHAT took N s`` when ``seconds`` is at least SLOW_PHASE_S, else None."""
+    """``allhands: WHAT took N s`` when ``seconds`` is at least SLOW_PHASE_S, else None; under
+    ``--verbose`` always, to the millisecond, with the time since the command started."""
+    env = worker_env()
+    if env.verbose:
+        since = f" ({time.time() - env.command_at:.3f} s since the command)" if env.command_at else ""
+        return f"allhands: {what} took {seconds:.3f} s{since}"
     return f"allhands: {what} took {seconds:.1f} s" if seconds >= SLOW_PHASE_S else None
 
 

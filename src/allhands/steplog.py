@@ -1,5 +1,7 @@
 """The metrics record of a logged step: one small all_gather of every rank's loss, step time,
-peak memory and the communication it recorded since the last logged step."""
+peak memory and the communication it recorded since the last logged step. The same all_gather
+carries each rank's stop request (agree.py), so a logged step needs no collective of its own
+for it; a step that does not log calls nothing here."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class StepLog:
         self._tx_at_log = iface_tx_bytes(gloo_interface()) if mesh.node_local_rank == 0 else None
         self.net_iface = gloo_interface() if self._tx_at_log is not None else None
         self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
+        self.agreed: tuple[int, float] = (0, 0.0)  # the last gather's (stop signal, step time)
 
     @property
     def window_steps(self) -> int:
@@ -36,11 +39,13 @@ class StepLog:
 
     def gather(self, *, step: int, loss_sum: torch.Tensor, gnorm: torch.Tensor, dt: float,
                comm: tuple[float, float, float, float], reports_loss: bool, lr: float,
-               tokens_per_sample: int | None, counters: dict[str, int]) -> dict[str, Any]:
+               tokens_per_sample: int | None, counters: dict[str, int],
+               stop_signal: int = 0) -> dict[str, Any]:
         """The record (collective: every rank calls it). The loss is the mean over the ranks
         that hold one (last pipeline stage, tp rank 0); ``comm``: the strategy's
         ``comm.take()`` (bytes from the collectives' sizes, seconds in flight and exposed), to
-        which the lab adds the interface's counter; ``counters``: the run's fault counters."""
+        which the lab adds the interface's counter; ``counters``: the run's fault counters;
+        ``stop_signal``: this rank's stop request, agreed (the largest) in ``self.agreed``."""
         peak, peak_kind = peak_memory(self.mesh.device)
         payload, wire, comm_s, exposed_s = comm
         tx = iface_tx_bytes(self.net_iface)
@@ -49,14 +54,15 @@ class StepLog:
         steps, window_s = self._window
         self._window = [0, 0.0]
         mine = torch.tensor([float(loss_sum), dt, payload, wire, comm_s, exposed_s, sent, window_s,
-                             peak, float(reports_loss)], dtype=torch.float64)
+                             peak, float(reports_loss), float(stop_signal)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(self.mesh.world_size)]
         dist.all_gather(gathered, mine)
-        g = torch.stack(gathered)  # (world, 10)
+        g = torch.stack(gathered)  # (world, 11)
         losses = g[g[:, 9] > 0, 0].tolist()
         times = g[:, 1].tolist()
         per_step = max(steps, 1)
         step_time = max(times)
+        self.agreed = (int(g[:, 10].max()), step_time)  # alike on every rank: the same gathered rows
         samples_per_s = self.global_batch / step_time
         record = {
             "step": step, "loss": sum(losses) / len(losses), "lr": lr, "grad_norm": float(gnorm),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from allhands.agree import StepAgreement
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
                                  builds_on_meta, check_compatible, load_weights, seed_rank,
                                  sharded_loader)
@@ -90,6 +91,8 @@ class Trainer:
         self.rng_state = RNGState(mesh.rank)
         self.faults = FaultInjector(cfg.fault.inject, mesh.rank, run_dir)
         self.guard = NonFiniteGuard(cfg.fault.nonfinite, cfg.fault.max_nonfinite)
+        self.agree = StepAgreement(self.guard, lockstep=self.strategy.lockstep, device=mesh.device,
+                                   grads_agree=self.strategy.grads_agree, stop_signal=lambda: self.hooks.stop_signal())
         self.heartbeat = Heartbeat(worker_env().heartbeat_dir, mesh.rank)
         self.rollbacks = 0
         c = cfg.checkpoint
@@ -211,19 +214,8 @@ class Trainer:
             return loss_sum, loss_sum.new_zeros(())
         gnorm = self.layout.clip(self.cfg.optim.grad_clip)
         # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
-        # Every rank decides alike (one all_reduce), whatever the sync strategy did to the grads.
-        # The same all_reduce carries the stop request (stopflag.py): a rank that got a stop signal
-        # before this point makes every rank stop after this step, and the largest signal number
-        # (SIGTERM over SIGUSR1 over SIGINT) says how, alike on every rank.
-        flags = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0,
-                              float(self.hooks.stop_signal())],
-                             device=self.mesh.device)
-        if self.strategy.lockstep:  # an asynchronous worker decides alone
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad, stop = flags.tolist()
-        if self.strategy.lockstep:
-            self.stop_signal = int(stop)
-        self.last_action = self.guard.check(not bad, step + 1)
+        # Every rank decides alike, with no collective where the gradients agree (agree.py).
+        self.last_action = self.agree.update(loss_sum, gnorm, step + 1)
         self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":
             self.optimizer.step()
@@ -297,14 +289,16 @@ class Trainer:
                     metrics.message(slow_phase("the first step", dt))
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
-                if ts.step % cfg.log.interval == 0 or last:
+                logged = ts.step % cfg.log.interval == 0 or last
+                if logged:
                     window = self.steplog.window_steps
                     result = self.steplog.gather(
                         step=ts.step, loss_sum=loss_sum, gnorm=gnorm, dt=dt,
                         comm=self.strategy.comm.take(), reports_loss=self.layout.reports_loss,
                         lr=self.scheduler.get_last_lr()[0], tokens_per_sample=self.tokens_per_sample,
                         counters={"nonfinite_skips": ts.nonfinite_skips,
-                                  "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks})
+                                  "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks},
+                        stop_signal=self.hooks.stop_signal())
                     result.update(moe_record(self.parts, mesh, window))  # MoE layers only
                     if self.flops is not None:  # flops_per_step, achieved_flops, mfu
                         result.update(self.flops.fields(result["step_time"]))
@@ -324,9 +318,8 @@ class Trainer:
                                      "checkpoint_interval": cadence.interval, **cadence.inputs})
                 self.ckpt.poll()
                 self._report_checkpoint_warnings(metrics)
-                if not self.strategy.lockstep and ts.step % cfg.log.interval == 0:
-                    # an asynchronous worker agrees where it already meets its peers (the log)
-                    self.stop_signal = _agreed_max(self.hooks.stop_signal(), mesh.device)
+                # the largest signal (SIGTERM over SIGUSR1 over SIGINT) says how, alike everywhere
+                self.stop_signal = self.agree.stop(ts.step, dt, self.steplog.agreed if logged else None)
                 if self.stop_signal and not last:
                     self._stop_cleanly(self.stop_signal)
             failures = self.ckpt.failures
@@ -342,6 +335,7 @@ class Trainer:
             raise
         finally:
             self.ckpt.close()
+            self.heartbeat.close()  # its thread's last write
             metrics.close(summary=ts.step >= r.steps)
         return result
 
@@ -368,8 +362,3 @@ class Trainer:
                         f"back to step {ts.step} (rollback {self.rollbacks})")
         return True
 
-
-def _agreed_max(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from allhands.cli.common import job_args
@@ -67,7 +68,7 @@ def _spec(args: argparse.Namespace):
                       max_restarts=-1 if args.max_restarts is None else args.max_restarts,
                       min_nodes=int(lo) if hi else 0,
                       bind=args.bind, secret_file=args.secret_file, insecure=args.insecure,
-                      rdzv_store=args.rdzv_store)
+                      rdzv_store=args.rdzv_store, verbose=getattr(args, "verbose", False))
 
 
 def _config_from(args: argparse.Namespace):
@@ -85,8 +86,13 @@ def _config_from(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    t0 = time.time()
     from allhands.launch.launcher import train_job
     from allhands.launch.rundir import completed_step
+
+    if args.verbose:  # the rest of the start-up is said by the launcher and rank 0
+        print(f"allhands: importing torch and the launcher took {time.time() - t0:.3f} s",
+              file=sys.stderr, flush=True)
 
     cfg = _config_from(args)
     spec = _spec(args).validated()
@@ -135,6 +141,8 @@ def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a model (the embedded default job without CONFIG)")
     job_args(t)
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.add_argument("--verbose", action="store_true",
+                   help="say how long each start-up phase took, from the command to the first step")
     _add_launch_args(t)
     t.set_defaults(fn=cmd_train)
 

@@ -54,8 +54,9 @@ from typing import Any, Callable
 import torch
 
 # What the server imports once: the workers' entry point (launcher.worker_entry) and the worker
-# (the trainer, torch, DCP).
-PRELOAD = ["allhands.launch.launcher", "allhands.worker"]
+# (the trainer, torch, DCP), and torch._dynamo, which DDP's constructor, FSDP and torch.compile
+# import on first use (about 1 s of CPU per worker here, every worker at once at start-up).
+PRELOAD = ["allhands.launch.launcher", "allhands.worker", "torch._dynamo"]
 # torch's agent forwards SIGHUP and SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE), the launcher SIGINT,
 # SIGTERM and SIGUSR1 (stop.py); the server ignores SIGINT itself.
 SHIELDED = {signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT}

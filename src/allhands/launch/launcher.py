@@ -29,7 +29,7 @@ import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from allhands import admission, safefs
+from allhands import admission, safefs, env as envs
 from allhands.authstore import IntrusionError
 from allhands.config import Config, replica_group_size, validate
 from allhands.errors import ConfigError, Interrupted, LaunchError
@@ -111,6 +111,7 @@ class LaunchSpec:
     rdzv_store: str = "node0"
     """Who serves the rendezvous store: node 0's agent, or an ``allhands rendezvous-store``
     process every node dials (``external``), so that losing node 0 is survivable too."""
+    verbose: bool = False  # say how long every start-up phase took, up to the first step
 
     @property
     def multi_node(self) -> bool:
@@ -230,6 +231,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
         os.environ["ALLHANDS_HEARTBEAT_DIR"] = str(heartbeat_dir)
         os.environ["ALLHANDS_STARTED_AT"] = repr(time.time())  # rank 0 says a slow start
         os.environ["ALLHANDS_LAUNCHER_PID"] = str(os.getpid())  # a forked worker's parent is not
+        envs.pass_verbose(spec.verbose)  # --verbose: the workers say every phase, from the command
         _launch_once(entrypoint, args, spec, log_dir=log_dir,
                      policy=policy if spec.multi_node else None, heartbeat_dir=heartbeat_dir,
                      run_dir=run_dir, timeouts=timeouts)

@@ -77,6 +77,7 @@ def _powersgd_bytes(state: psgd.PowerSGDState, bucket: dist.GradBucket, before: 
 
 class AllReduceSync(SyncStrategy):
     name = "allreduce"
+    grads_agree = True
 
     def __init__(self, bucket_mb: float = 25.0, compress: str = "none", powersgd_rank: int = 4,
                  powersgd_start_step: int = 10, reducer: str = "DDP all-reduce every step"):

@@ -37,6 +37,9 @@ class SyncStrategy:
     # True: the loop may agree with every worker each step (its non-finite check is one
     # all-reduce). False: workers run at their own pace (asynchronous parameter server).
     lockstep = True
+    # True: the gradients are reconciled every step, so after backward every rank's gradient
+    # norm is the same and its local non-finite check agrees with every other's (agree.py).
+    grads_agree = False
 
     def __init__(self) -> None:
         self.comm = CommMeter()
