@@ -123,3 +123,131 @@ def test_an_unsupported_field_is_one_line_naming_it(tmp_path, name, edit, field)
     msg = str(e.value)
     assert msg.startswith("checkpoint.init_from: config.json ") and f" {field}=" in msg, msg
     assert "\n" not in msg
+
+
+def _sharded_rank(rank: int, src: str, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from allhands.models.build import build_model
+    from allhands.models.hf import HFReader, hf_config, load_hf, local_block
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    reads: list[tuple] = []  # (name, [(start, stop) per dimension] or None) of every read
+    real = HFReader.read
+    HFReader.read = lambda self, name, index=None: reads.append(
+        (name, index and [(i.start, i.stop) for i in index])) or real(self, name, index)
+    fc, _ = hf_config(src)
+    with torch.device("meta"):
+        model = build_model(fc)
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_hf(model, src)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    HFReader.read = real
+    # a column-sharded tensor (tensor parallel's row-wise split of o_proj) reads its columns
+    name = "model.layers.0.self_attn.o_proj.weight"
+    col = distribute_tensor(torch.zeros(fc.dim, fc.dim), mesh, [Shard(1)])
+    local, index = local_block(col)
+    local.copy_(HFReader(src).read(name, index))
+    cols, o_proj = (index[1].start, index[1].stop), col.full_tensor()
+    if rank == 0:
+        torch.save({"full": full, "reads": reads, "o_proj": o_proj, "cols": cols}, out)
+    dist.destroy_process_group()
+
+
+def test_each_rank_reads_only_its_own_slices(tmp_path):
+    import torch.multiprocessing as mp
+
+    from allhands.models.hf import HFReader
+
+    hf, src = _saved(tmp_path, "qwen2")
+    mp.spawn(_sharded_rank, args=(str(src), str(tmp_path / "store"), str(tmp_path / "out.pt")),
+             nprocs=2, join=True)
+    got = torch.load(tmp_path / "out.pt")
+    want = from_hf(src).state_dict()
+    for k, v in want.items():
+        assert torch.equal(got["full"][k], v), k
+    shapes = {n: HFReader(src).shape(n) for n in HFReader(src).names()}
+    assert got["reads"] and all(index is not None for _, index in got["reads"])
+    for name, index in got["reads"]:  # rank 0 asked for the first half of every dimension 0
+        assert index[0] == (0, -(-shapes[name][0] // 2)), (name, index)
+    assert got["cols"] == (0, 16)
+    assert torch.equal(got["o_proj"], load_file(str(src / "model.safetensors"))[
+        "model.layers.0.self_attn.o_proj.weight"])
+
+
+def test_train_from_a_transformers_llama_then_export_it(tmp_path, token_dir):
+    """`allhands train` with checkpoint.init_from = a saved Llama (no model section), 2 steps on
+    2 workers, then `allhands export --format hf`, which transformers loads."""
+    from allhands.checkpoint import committed
+    from allhands.checkpoint.export import checkpoint_weights
+    from allhands.cli import main
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**COMMON, "vocab_size": 300}, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                    "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 16})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    items = [f"{k}" for k in ("run.steps=2", "optim.warmup_steps=0")]
+    c = tiny_config(token_dir, run, f"checkpoint.init_from={tmp_path / 'hf'}", *items)
+    args = ["train", "--nproc", "2"] + [a for item in _sets(c) for a in ("--set", item)]
+    assert main(args) == 0
+    resolved = (run / "config.resolved.toml").read_text()
+    assert 'family = "llama"' in resolved and "n_kv_head = 2" in resolved and 'rope_scaling = "llama3"' in resolved
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert type(back).__name__ == "LlamaForCausalLM" and back.config.rope_parameters["rope_type"] == "llama3"
+    trained = checkpoint_weights(committed(run / "checkpoints")[-1][1])
+    start = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    got = back.state_dict()
+    assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], trained["blocks.0.mlp.up_proj.weight"])
+    assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+
+
+def _sets(cfg) -> list[str]:
+    """``--set`` items of every field that differs from the defaults."""
+    from allhands.config import Config
+
+    out, default = [], Config()
+    for section, fields in cfg.to_dict().items():
+        for name, value in fields.items():
+            if getattr(getattr(default, section), name) != value:
+                v = json.dumps(value) if not isinstance(value, str) else value
+                out.append(f"{section}.{name}={v}")
+    return out
+
+
+@pytest.mark.parametrize("layout", [(), ("parallel.dp_shard=2", "parallel.dp_replicate=1", "parallel.zero=3"),
+                                    ("parallel.pp=2", "parallel.pp_split=blocks.1")],
+                         ids=["ddp", "fsdp", "pp"])
+def test_init_from_fills_every_layout_with_the_file(tmp_path, token_dir, layout):
+    """Each rank loads its cut of the model (whole, FSDP shards, a pipeline stage) from the
+    directory; after one step at lr 1e-9 the weights are still the file's."""
+    from allhands.checkpoint import committed
+    from allhands.checkpoint.export import checkpoint_weights
+    from allhands.launch.launcher import LaunchSpec, train_job
+    from allhands.models.llama_hf import hf_name
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(**{**COMMON, "vocab_size": 300}, head_dim=16)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    c = tiny_config(token_dir, tmp_path / "run", f"checkpoint.init_from={tmp_path / 'hf'}",
+                    "run.steps=1", "optim.name=sgd", "optim.lr=1e-9", "optim.warmup_steps=0", *layout)
+    train_job(c, LaunchSpec(nproc=2))
+    trained = checkpoint_weights(committed(tmp_path / "run" / "checkpoints")[-1][1])
+    file = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert len(trained) == len(file)
+    for k, v in trained.items():
+        assert torch.allclose(v, file[hf_name(k)], atol=1e-6, rtol=0), k

@@ -109,3 +109,17 @@ def test_train_trains_the_family_on_two_workers(tmp_path, token_dir):
     losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
               if x and '"loss"' in x]
     assert len(losses) >= 4 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_transformers_counts_the_same_parameters(name):
+    """transformers' own model, built on the meta device from the config.json we would write."""
+    transformers = pytest.importorskip("transformers")
+    from allhands.models.llama_hf import to_hf_config
+
+    fc = family_config(with_preset(ModelConfig(preset=name)), 0)
+    c = to_hf_config(fc)
+    config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in hf.parameters()) == PUBLISHED_PARAMS[name]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
-                                 check_compatible, load_weights, seed_rank)
+                                 check_compatible, load_weights, seed_rank, sharded_loader)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
@@ -58,14 +58,18 @@ class Trainer:
         torch.manual_seed(r.seed)
         raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
         raw = checked_model(raw).to(mesh.device)
-        if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
-            load_weights(raw, cfg.checkpoint.init_from)
+        # a transformers directory fills each rank's cut of the model by slice, after
+        # parallelize (build_layout's load); other weights go whole into the plain module
+        init = cfg.checkpoint.init_from
+        load_cut = sharded_loader(init) if init else None
+        if init and load_cut is None:
+            load_weights(raw, init)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
         self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
-        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan)
+        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan, load=load_cut)
         del raw  # when the layout split it, the unsplit copy is not trained; free it
         self.parts, self.model = self.layout.parts, self.layout.model
         self.raw_model = self.parts[0]  # parallelized in place: its parameters are the trained ones

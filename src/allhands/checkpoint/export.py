@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,16 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | No
         raise ConfigError(f"--out: {str(out)!r} is a file; --format hf writes a directory")
     write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size)
     return out, note
+
+
+def sharded_loader(path: str | os.PathLike) -> Callable[[nn.Module], nn.Module] | None:
+    """For a transformers directory, the function that fills a model already cut for this rank
+    (a pipeline stage, FSDP or tensor-parallel DTensor shards) with just the slices it holds,
+    read from the files by slice (models/hf.py); None for the other sources, which
+    :func:`load_weights` reads whole into the uncut model."""
+    if not is_hf_dir(Path(path)):
+        return None
+    return lambda part: load_hf(part, Path(path))
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:

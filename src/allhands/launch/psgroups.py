@@ -52,7 +52,7 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         nproc = cfg.ps.servers if g == workers else 1
         group_spec = dataclasses.replace(spec, nproc=nproc, port=0, run_id="")
         # Its logs and restart record; and where its restart resumes from: a restarted server
-        # restores its shard from the servers' checkpoints (worker.run_ps_server), a worker from
+        # restores its shard from the servers' checkpoints (ps/start.py run_server), a worker from
         # its group's (as in replica mode, replica/heal.py)
         where = run_dir / "ps-servers" if g == workers else group_dir(run_dir, g) / "ps-worker"
         resume = run_dir / "ps-checkpoints" if g == workers else group_dir(run_dir, g) / "checkpoints"

@@ -2,8 +2,9 @@
 safetensors (one file, or shards with model.safetensors.index.json) -> our parameters, and back.
 
 Reading is by slice: :func:`load_hf` fills each parameter of a module from the file, and when
-the parameter is a DTensor (FSDP or tensor-parallel shard) it reads only this rank's block with
-``safe_open(...).get_slice``, so a rank never holds a full tensor it does not own. (The GPT-2
+the parameter is a DTensor (FSDP or tensor-parallel shard) it reads only this rank's block (by
+positioned reads of its bytes; other shapes through ``safe_open(...).get_slice``), so a rank
+never holds a full tensor it does not own. (The GPT-2
 path regroups fused rows, so it reads whole tensors; the reference GPT is small.)
 
 Python API: :func:`from_hf` builds our module from a directory; :func:`to_hf` writes one that
@@ -85,6 +86,7 @@ class HFReader:
         else:
             self.files = None
         self._open: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     def _handle(self, file: str):
         if file not in self._open:
@@ -100,16 +102,63 @@ class HFReader:
             return list(self.files)
         return list(self._handle(WEIGHTS).keys())
 
+    def file_of(self, name: str) -> str:
+        return self.files[name] if self.files is not None else WEIGHTS
+
     def _of(self, name: str):
-        return self._handle(self.files[name] if self.files is not None else WEIGHTS)
+        return self._handle(self.file_of(name))
+
+    def close(self, file: str) -> None:
+        """Unmap ``file``: the pages read through its memory map count in this process's RSS
+        until then."""
+        self._open.pop(file, None)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._of(name).get_slice(name).get_shape())
 
+    def _layout(self, file: str) -> tuple[int, dict]:
+        """(where the data starts, the header) of a safetensors file: an 8-byte little-endian
+        header length, then a JSON header of ``{name: {dtype, shape, data_offsets}}``."""
+        if file not in self._headers:
+            with open(self.path / file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + n, json.loads(f.read(n)))
+        return self._headers[file]
+
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor ``name``, or its block ``index`` (one slice per dimension). A block of a
+        matrix or vector is read with positioned reads of just its bytes, not through the
+        memory map, so the rest of the file never enters this process's memory."""
         if index is None:
             return self._of(name).get_tensor(name)
-        return self._of(name).get_slice(name)[index]
+        file = self.file_of(name)
+        start, header = self._layout(file)
+        meta = header[name]
+        shape, dtype = meta["shape"], _DTYPES.get(meta["dtype"])
+        if dtype is None or len(shape) > 2 or len(index) != len(shape):
+            return self._of(name).get_slice(name)[index]
+        rows, cols = (index[0], index[1]) if len(shape) == 2 else (slice(0, 1), index[0])
+        width = shape[1] if len(shape) == 2 else shape[0]
+        item = torch.empty((), dtype=dtype).element_size()
+        base = start + meta["data_offsets"][0]
+        n_cols = cols.stop - cols.start
+        n_rows = rows.stop - rows.start
+        buf = bytearray(n_rows * n_cols * item)  # filled in place: no second copy of the bytes
+        with open(self.path / file, "rb") as f:
+            if n_cols == width:  # whole rows: one contiguous range
+                os.preadv(f.fileno(), [buf], base + rows.start * width * item)
+            else:
+                view = memoryview(buf)
+                for i, r in enumerate(range(rows.start, rows.stop)):
+                    os.preadv(f.fileno(), [view[i * n_cols * item:(i + 1) * n_cols * item]],
+                              base + (r * width + cols.start) * item)
+        out = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        return out.view(n_rows, n_cols) if len(shape) == 2 else out
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
@@ -144,11 +193,12 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
         full = {k: v.shape for k, v in own.items()}
         sd = gpt_hf.from_gpt2({n: reader.read(n) for n in reader.names()}, c.get("n_layer", 12),
                               c.get("n_head", 12), full)
-        sources = {k: (lambda idx, k=k: sd[k] if idx is None else sd[k][idx]) for k in sd}
+        sources = {k: (lambda idx, k=k: sd[k][idx]) for k in sd}
         shape_of = {k: tuple(v.shape) for k, v in sd.items()}
+        files = {}
     else:
         names = set(reader.names())
-        sources, shape_of = {}, {}
+        sources, shape_of, files = {}, {}, {}
         for k in own:
             try:
                 theirs = llama_hf.hf_name(k)
@@ -159,6 +209,7 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
             if theirs in names:
                 sources[k] = lambda idx, n=theirs: reader.read(n, idx)
                 shape_of[k] = reader.shape(theirs)
+                files[k] = reader.file_of(theirs)
     for k, t in own.items():
         if k not in sources:
             missing.append(k)
@@ -166,10 +217,23 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
             shapes.append((k, shape_of[k], tuple(t.shape)))
     if missing or shapes:
         raise _fit_error(path, missing, shapes)
+    # file by file, each unmapped when done, so at most one shard's pages are resident
+    order = sorted(own, key=lambda k: files.get(k, ""))
     with torch.no_grad():
-        for k, t in own.items():
-            local, index = local_block(t)
-            local.copy_(sources[k](index))
+        for i, k in enumerate(order):
+            local, index = local_block(own[k])
+            if index is None:
+                index = tuple(slice(0, n) for n in local.shape)
+            # rows in chunks of about 8 MiB: the buffer a read fills stays small
+            step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
+            for r in range(0, max(1, local.shape[0] if local.dim() else 1), step):
+                if local.dim() == 0:
+                    local.copy_(sources[k](index))
+                    break
+                rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
+                local[r:r + step].copy_(sources[k]((rows, *index[1:])))
+            if k in files and (i + 1 == len(order) or files.get(order[i + 1]) != files[k]):
+                reader.close(files[k])
     return module
 
 

@@ -57,7 +57,7 @@ _DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias
 
 def _rope(c: dict) -> dict:
     """RoPE settings in transformers 5's spelling (``rope_parameters``) from either spelling
-    (transformers 4: ``rope_theta`` + ``rope_scaling``); ``(key, dict)`` names where they were."""
+    (transformers 4: ``rope_theta`` + ``rope_scaling``); its ``_at`` names the key they were under."""
     if c.get("rope_parameters"):
         return {"_at": "rope_parameters", **c["rope_parameters"]}
     out = {"_at": "rope_scaling", "rope_theta": c.get("rope_theta", 10000.0)}

@@ -155,9 +155,13 @@ class Layout:
 
 
 def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrategy,
-                 loss_fn: LossFn, tp_plan: Any = None) -> Layout:
+                 loss_fn: LossFn, tp_plan: Any = None,
+                 load: Callable[[nn.Module], Any] | None = None) -> Layout:
     """Cut ``model`` (whole, on ``mesh.device``, initialised alike on every rank) for this rank
-    and build its optimizer. Under pp the unsplit ``model`` is not trained; the caller drops it."""
+    and build its optimizer. Under pp the unsplit ``model`` is not trained; the caller drops it.
+    ``load(part)``: fills each cut part's weights (this rank's stage, its DTensor shards) after
+    parallelize and before the strategy wraps it, so a strategy's snapshot (DiLoCo's anchor)
+    holds the loaded weights."""
     p = cfg.parallel
     prec = choose_precision(cfg.run.precision, mesh.device.type, p.zero, p.reduce_dtype)
     pipeline = None
@@ -171,13 +175,17 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
             split_points=[s.strip() for s in p.pp_split.split(",")] if p.pp_split else None,
             tied_group=mesh.pp_ends_group() if mesh.size("pp") > 2 else None)
         parts = pipeline.modules
-    wrapped = [strategy.wrap(
-        parallelize(part, mesh, zero=p.zero, ac=p.ac, bucket_mb=p.bucket_mb,
-                    param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
-                    replicate=not strategy.reconciles_replicas,
-                    sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
-                    pipeline_stage=pipeline is not None, compile=cfg.run.compile), mesh)
-        for part in parts]
+    def cut(part: nn.Module) -> nn.Module:
+        out = parallelize(part, mesh, zero=p.zero, ac=p.ac, bucket_mb=p.bucket_mb,
+                          param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
+                          replicate=not strategy.reconciles_replicas,
+                          sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
+                          pipeline_stage=pipeline is not None, compile=cfg.run.compile)
+        if load is not None:
+            load(part)  # parallelized in place: its parameters are this rank's (DTensor) shards
+        return strategy.wrap(out, mesh)
+
+    wrapped = [cut(part) for part in parts]
     if pipeline is not None:
         pipeline.modules = wrapped
         pipeline.start(mesh.device, loss_fn)
