@@ -37,6 +37,7 @@ from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
 from allhands.stopflag import CleanStop
 from allhands.sync import SyncBuilder, build_sync
+from allhands.trackers import selected
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
@@ -223,7 +224,8 @@ class Trainer:
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
-                                progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
+                                progress_s=cfg.log.progress_s, config=cfg.to_dict(),
+                                trackers=selected(cfg.log.trackers, cfg.log.tensorboard))
         if ts.step < r.steps and self.hooks.reads_ahead:
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]

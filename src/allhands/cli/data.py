@@ -1,9 +1,10 @@
 """``allhands prepare``, ``export`` and ``report``: data in (token shards), weights out
-(safetensors, transformers directories), plots of a run."""
+(safetensors, transformers directories), plots of a run (attached to its experiment trackers)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -44,9 +45,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from allhands.report import make_report
+    from allhands.trackers import attach_report
 
-    for path in make_report(Path(args.run_dir)):
+    paths = make_report(Path(args.run_dir))
+    for path in paths:
         print(path)
+    attach_report(Path(args.run_dir), paths, os.environ)  # reopens the run's tracker runs
     return 0
 
 

@@ -207,6 +207,10 @@ class FaultConfig:
                                            "fails after this long (time for a host to come back), > 0")
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""The experiment trackers ``log.trackers`` may name (allhands/trackers.py)."""
+
+
 @dataclass
 class LogConfig:
     """What the run reports and where."""
@@ -215,7 +219,10 @@ class LogConfig:
     progress: bool = _f(True, "report progress on rank 0: a bar on a terminal, else plain lines")
     progress_s: float = _f(30.0, "when the output is not a terminal (a log file, a pipe): a plain "
                                  "progress line every this many seconds, >= 0; 0 disables")
-    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed; false leaves "
+                                 "tensorboard out of log.trackers")
+    trackers: list[str] = _f(["tensorboard"], "experiment trackers rank 0 logs to: tensorboard, wandb, "
+                                              "mlflow (a TOML list, or NAME,NAME in --set)")
 
 
 @dataclass
@@ -276,7 +283,14 @@ def _type_of(section: Any, name: str) -> type:
 
 
 def _coerce(value: Any, t: type, path: str) -> Any:
-    """Check a TOML value against the field type; ints are accepted for floats."""
+    """Check a TOML value against the field type; ints are accepted for floats, and a list of
+    strings is also accepted as one comma-separated string (``--set log.trackers=wandb,mlflow``)."""
+    if typing.get_origin(t) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{path}: expected a list of strings, got {type(value).__name__} {value!r}")
     if t is bool:
         if isinstance(value, bool):
             return value
@@ -357,6 +371,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

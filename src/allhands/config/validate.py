@@ -13,7 +13,7 @@ from pathlib import Path
 from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
-from allhands.config.tree import Config
+from allhands.config.tree import TRACKERS, Config
 from allhands.config.validate_model import validate_model
 from allhands.errors import ConfigError
 
@@ -44,6 +44,8 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check_fault(cfg.fault)
     check_replica(cfg)
     check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
+    for t in lg.trackers:
+        check(t in TRACKERS, "log.trackers", "allowed: " + ", ".join(TRACKERS), t)
     check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
     check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
