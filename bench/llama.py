@@ -184,6 +184,8 @@ def _is_tensor_copy(ev) -> bool:
     divisor and eps that way)."""
     if ev.name not in COPIES:
         return False
+    if ev.name == "aten::copy_" and ev.cpu_parent is not None and ev.cpu_parent.name in COPIES:
+        return False  # the copy inside a clone or _to_copy counted already
     first = (ev.input_shapes or [[]])[0]
     return ev.name == "aten::cat" or (isinstance(first, list) and math.prod(first) > 1 and len(first) > 0)
 
