@@ -38,8 +38,8 @@ LAYOUTS = {
     "tp2-gqa": (2, ["parallel.tp=2", "parallel.dp_replicate=1"]),
     # per-head q/k norms, q/k/v bias and the tied embedding/head pair, sharded over the vocabulary
     "tp2-qwen3": (2, ["parallel.tp=2", "parallel.dp_replicate=1", *QWEN3]),
-    "pp2": (2, ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.pp_schedule=1f1b"]),
-    "pp2-tied": (2, ["parallel.pp=2", "parallel.dp_replicate=1", *QWEN3]),
+    # the tied pair on the two ends; the untied split is the imported model's test below
+    "pp2-tied": (2, ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.pp_schedule=1f1b", *QWEN3]),
     # H=1, outer SGD with lr 1 and no momentum: exactly synchronous SGD (test_lowcomm's identity)
     "diloco": (2, ["parallel.sync=diloco", "sync.inner_steps=1", "sync.outer_lr=1.0",
                    "sync.outer_momentum=0.0", "sync.outer_nesterov=false", "optim.grad_clip=0"]),
