@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
-                                 check_compatible, load_weights, seed_rank)
+from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, SchedulerState,
+                                 TrainState, check_compatible, load_weights, seed_rank)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
@@ -111,7 +111,8 @@ class Trainer:
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
-        return {"model": ModelOptimState(*self.layout.checkpoint_parts()), "scheduler": self.scheduler,
+        return {"model": ModelOptimState(*self.layout.checkpoint_parts()),
+                "scheduler": SchedulerState(self.scheduler),
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:
