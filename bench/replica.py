@@ -90,7 +90,7 @@ def events(path: Path) -> list[dict]:
 
 def timeline(run: Path, kills: list[float], killed: list[int], per_step: float) -> None:
     """One line per fault: where its seconds go (module docstring)."""
-    from allhands.checkpoint.heal import group_dir
+    from allhands.paths import group_dir
 
     notices = events(run / "replicas" / "notices.jsonl")
     g0 = events(run / "quorums.jsonl")
@@ -132,7 +132,7 @@ def main() -> None:
     from allhands.config import load_config
     from allhands.faults import fired_at
     from allhands.job import Job
-    from allhands.checkpoint.heal import group_dir
+    from allhands.paths import group_dir
     from allhands.launch.launcher import LaunchSpec, train_job
 
     out = ROOT / "runs" / f"bench-replica-{time.strftime('%Y%m%d-%H%M%S')}"

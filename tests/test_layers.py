@@ -20,13 +20,15 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "allhands"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore",
-     "stopflag"),
-    ("data", "models", "metrics", "report", "admission", "jobcheck", "job", "optim", "flops"),
+     "stopflag", "hooks", "paths"),
+    ("data", "models", "metrics", "trackers", "report", "admission", "jobcheck", "job", "optim", "flops"),
     ("mesh",),
     ("parallel", "sync", "memory", "plan"),
     ("checkpoint",),
-    ("trainer", "steplog"),
-    ("worker",),
+    ("ps", "replica"),  # the two modes beyond lock-step: what the loop and its strategy call
+    ("trainer", "steplog", "evaluate"),
+    ("lockstep",),  # the common path of a worker: mesh -> Trainer -> fit
+    ("worker", "ps.start", "replica.start"),  # each mode's start-up; the worker's registry of them
     ("launch",),
     ("drill", "allhands", "plan.check", "plan.calibrate"),  # "allhands": the package itself, the Python API
     ("cli",),

@@ -1,4 +1,4 @@
-"""Parameter-server training (sync/ps.py): the sharding plan without processes; sync mode against
+"""Parameter-server training (ps/client.py): the sharding plan without processes; sync mode against
 the single-process reference; async and bounded staleness against their guarantees."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from allhands.faults import FaultInjector
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.launch.policy import RestartPolicy
 from allhands.report import make_report, read_metrics
-from allhands.sync.ps_rows import RowShard, draw_rows
-from allhands.sync.ps_server import due_replies
-from allhands.sync.ps_wire import plan_shards
+from allhands.ps.rows import RowShard, draw_rows
+from allhands.ps.server import due_replies
+from allhands.ps.wire import plan_shards
 from allhands.trainer import Job, build_reference_model
 
 from conftest import tiny_config
@@ -155,7 +155,7 @@ def test_push_fault_is_taken_once_before_the_push_is_cut(tmp_path):
     assert FaultInjector("1:3:ps-push", 1, tmp_path).push_hook(5) is None  # fired already
 
 
-# -- embedding tables moved by row (sync/ps_rows.py)
+# -- embedding tables moved by row (ps/rows.py)
 
 def _row_step_vs_dense(opt_cls, touched_per_step, **kw):
     """A RowShard stepped with the rows ``touched_per_step`` against torch's dense optimizer on

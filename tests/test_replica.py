@@ -30,9 +30,9 @@ from allhands.config import load_config, validate
 from allhands.errors import ConfigError
 from allhands.faults import fired_at
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.checkpoint.heal import ReplicaGroup
+from allhands.replica.heal import ReplicaGroup
 from allhands.mesh import Mesh
-from allhands.sync.quorum import Quorum, ReplicaQuorum
+from allhands.replica.quorum import Quorum, ReplicaQuorum
 from allhands.trainer import Job, Trainer
 
 from conftest import ALLHANDS, TINY, tiny_config

@@ -20,7 +20,7 @@ from allhands.authstore import MACStore, store_key
 from allhands.config import replica_group_size, validate
 from allhands.errors import ConfigError
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.sync.quorum import ReplicaQuorum
+from allhands.replica.quorum import ReplicaQuorum
 
 from conftest import tiny_config
 from test_parity import max_rel_diff, reference_params

@@ -1,4 +1,4 @@
-"""Replica mode's roster, spares and failure notice (sync/spares.py, launch/replicas.py): claims
+"""Replica mode's roster, spares and failure notice (replica/spares.py, launch/replicas.py): claims
 and hand-overs on a real store, a survivor that closes its quorum on the launcher's notice instead
 of after the timeout, a bounded store, the heartbeat while waiting, a spare that replaces a
 SIGKILLed group, a stop signal to the replicas launcher, and the drill in replica mode."""
@@ -20,8 +20,8 @@ from allhands.authstore import MACStore, store_key
 
 from allhands.checkpoint import committed
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.sync import spares
-from allhands.sync.quorum import QuorumStopped, ReplicaQuorum
+from allhands.replica import spares
+from allhands.replica.quorum import QuorumStopped, ReplicaQuorum
 
 from conftest import ALLHANDS, ROOT, TINY, tiny_config
 from test_parity import max_rel_diff, reference_params

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from allhands.checkpoint import committed, load_weights
-from allhands.checkpoint.heal import group_dir
+from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.errors import ConfigError
 from allhands.faults import Fault, fired_at, plan_faults

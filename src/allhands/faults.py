@@ -21,12 +21,12 @@ Kinds:
   after this rank's shard files are written but before the save completes, i.e. during an
   (asynchronous) checkpoint write;
 - ``heal-source`` / ``heal-joiner``: SIGKILL in the middle of a replica-mode heal
-  (checkpoint/heal.py), after half of the state's tensors were broadcast: the first heal to a step
+  (replica/heal.py), after half of the state's tensors were broadcast: the first heal to a step
   at or after STEP in which this replica group is the source (and some member is behind) / a
   member that is behind (a joiner);
 - ``ps-push``: SIGKILL of a parameter-server worker in the middle of the push of step STEP (at
   or after it, once): every other server received its whole piece, the last server the request's
-  header but none of its payload (sync/ps.py);
+  header but none of its payload (ps/client.py);
 - ``flake``: the start-up flake of a fresh gloo process group (seen with torch 2.13: a restart
   failed once in ``connectFullMesh`` and the next try worked): the first attempt that starts at step
   STEP or later fails before computing any step, raising the ``RuntimeError`` gloo raises when

@@ -8,6 +8,7 @@ reconciled -> clip -> AdamW step -> schedule step -> metrics -> maybe eval -> ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -16,38 +17,42 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, SchedulerState,
-                                 TrainState, check_compatible, load_weights, seed_rank)
+                                 TrainState, builds_on_meta, check_compatible, load_weights,
+                                 seed_rank, sharded_loader)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
 from allhands.faults import FaultInjector, NonFiniteGuard
 from allhands.flops import StepFlops
 from allhands.env import worker_env
+from allhands.evaluate import check_replicas, evaluate
 from allhands.heartbeat import Heartbeat
+from allhands.hooks import LoopHooks
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
-from allhands.job import Job, build_data, build_reference_model, lm_loss
+from allhands.data.examples import valid_targets
+from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, default_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
-from allhands.memory import local
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
+from allhands.parallel.moe_metrics import moe_record
 from allhands.steplog import StepLog
-from allhands.stopflag import FLAG, CleanStop
-from allhands.sync import build_sync
+from allhands.stopflag import CleanStop
+from allhands.sync import SyncBuilder, build_sync
+from allhands.trackers import selected
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
 
-def param_checksums(model: nn.Module) -> torch.Tensor:
-    """One float64 sum per parameter, over this rank's local shard of a DTensor."""
-    return torch.stack([local(p).detach().double().sum() for p in model.parameters()])
-
-
 class Trainer:
-    def __init__(self, cfg: Config, job: Job, mesh: Mesh, run_dir: Path):
+    """``sync``: builds the sync strategy from (cfg, mesh, model); a mode with a strategy of its
+    own (the parameter server) passes its builder. ``hooks``: what a mode adds at the loop's fixed
+    points (hooks.py); a mode may also set them after construction, before ``fit``."""
+
+    def __init__(self, cfg: Config, job: Job, mesh: Mesh, run_dir: Path, *,
+                 sync: SyncBuilder = build_sync, hooks: LoopHooks | None = None):
         self.cfg, self.job, self.mesh, self.run_dir = cfg, job, mesh, run_dir
         r = cfg.run
         if mesh.device.type == "cpu" and r.threads:
@@ -56,16 +61,23 @@ class Trainer:
         self.train_ds, self.val_ds = checked_data(self.train_ds, self.val_ds, r.global_batch)
         # Same seed on every rank for initialisation; DDP also broadcasts rank 0's weights.
         torch.manual_seed(r.seed)
-        raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
-        raw = checked_model(raw).to(mesh.device)
-        if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
-            load_weights(raw, cfg.checkpoint.init_from)
+        # a transformers directory fills each rank's cut of the model by slice, after
+        # parallelize (build_layout's load); under FSDP the model is built on the meta device
+        # first, so no rank holds all of it; other weights go whole into the plain module
+        meta = builds_on_meta(cfg, job.model is not None)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
+        raw = checked_model(raw) if meta else checked_model(raw).to(mesh.device)
+        init = cfg.checkpoint.init_from
+        load_cut = sharded_loader(init, mesh.device) if init else None
+        if init and load_cut is None:
+            load_weights(raw, init)
         seed_rank(r.seed, mesh.rank)
-        self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
-        self.strategy, self.sync_note = build_sync(cfg, mesh, raw)
+        self.loss_fn = checked_loss(job.loss) if job.loss else default_loss(self.train_ds)
+        self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
-        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan)
+        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan, load=load_cut)
         del raw  # when the layout split it, the unsplit copy is not trained; free it
         self.parts, self.model = self.layout.parts, self.layout.model
         self.raw_model = self.parts[0]  # parallelized in place: its parameters are the trained ones
@@ -101,12 +113,12 @@ class Trainer:
         self.saved_step = -1  # the step of this process's last save, alike on every rank
         self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
-        self.replica: Any = None  # replica mode: checkpoint/heal.py's ReplicaGroup attaches itself
+        self.hooks = hooks or LoopHooks()
         self.resume = True  # False: a replica-mode spare that takes its state from live peers
 
     def move_to(self, run_dir: Path) -> None:
         """Write metrics and checkpoints under ``run_dir`` instead, before ``fit``: replica mode's
-        spare is built before it knows which group's place it takes (worker.run_replica)."""
+        spare is built before it knows which group's place it takes (replica/start.py)."""
         self.run_dir, self.ckpt.dir = run_dir, run_dir / "checkpoints"
 
     # -- checkpoint contract
@@ -160,25 +172,25 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.val_sampler is None or self.cfg.data.eval_batches == 0:
             return None
-        self.layout.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad(), self.layout.autocast():
-            for b in range(self.cfg.data.eval_batches):
-                idx = self.val_sampler.local_micro_batches(b, self.mesh.dp_rank, self.mesh.dp_size, 1)[0]
-                x, y = self._to_device(collate(self.val_ds, idx))
-                loss = self.layout.eval_loss(x, y)
-                if self.layout.reports_loss:
-                    total[0] += float(loss) * len(idx)
-                    total[1] += len(idx)
-        self.layout.train()
-        # one contribution per data-parallel rank: from its rank that reports_loss
-        dist.all_reduce(total)
-        return float(total[0] / total[1])
+        return evaluate(self.layout, self.val_ds, self.val_sampler, self.cfg.data.eval_batches,
+                        self._to_device, weigh=lambda idx: self._begin_loss(self.val_ds, idx, calls=1))
+
+    def _begin_loss(self, ds, indices: list[int], calls: int) -> int:
+        """Weight of a batch of ``indices`` in a mean: its unmasked targets under the token
+        mean (which is told them, and its ``calls`` times the layout's splits), else its samples."""
+        if not isinstance(self.loss_fn, TokenMeanLoss):
+            return len(indices)
+        n = valid_targets(ds, indices)
+        self.loss_fn.begin(n, calls * self.layout.loss_splits())
+        return n
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.cfg.run
         micro = self.sampler.local_micro_batches(step, self.mesh.dp_rank, self.mesh.dp_size,
                                                  r.micro_batches)
+        if isinstance(self.loss_fn, TokenMeanLoss):  # every rank counts the whole global batch
+            self._begin_loss(self.train_ds, self.sampler.global_batch_indices(step),
+                             calls=self.mesh.dp_size * r.micro_batches)
         loss_sum = torch.zeros((), device=self.mesh.device)
         first, self._first = self._first, None  # fit read this step's first micro-batch ahead
         for i, idx in enumerate(micro):
@@ -194,7 +206,7 @@ class Trainer:
             if loss is not None:
                 loss_sum += loss
         self.layout.after_backward()
-        if self.replica is not None and not self.replica.reduce(self.parts, step):
+        if not self.hooks.reduce(self.parts, step):
             self.optimizer.zero_grad(set_to_none=True)  # discarded by every member of the quorum
             self.last_action = "discarded"
             return loss_sum, loss_sum.new_zeros(())
@@ -205,8 +217,7 @@ class Trainer:
         # before this point makes every rank stop after this step, and the largest signal number
         # (SIGTERM over SIGUSR1 over SIGINT) says how, alike on every rank.
         flags = torch.tensor([0.0 if bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(gnorm)) else 1.0,
-                              # replica mode: the signal the quorum agreed on (sync/quorum.py)
-                              float(FLAG.signum if self.replica is None else self.replica.stop)],
+                              float(self.hooks.stop_signal())],
                              device=self.mesh.device)
         if self.strategy.lockstep:  # an asynchronous worker decides alone
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -225,18 +236,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
 
-    def check_replicas(self, step: int) -> None:
-        dim = self.layout.replica_dim  # the dim whose ranks hold equal parameters
-        mine = torch.cat([param_checksums(part) for part in self.parts]).cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size(dim))]
-        dist.all_gather(gathered, mine, group=self.mesh.group(dim))
-        for rank, other in enumerate(gathered):
-            if not torch.equal(other, gathered[0]):
-                bad = int((other != gathered[0]).nonzero()[0])
-                name = [n for part in self.parts for n, _ in part.named_parameters()][bad]
-                raise RuntimeError(f"replicas diverged after step {step}: rank {rank}'s parameter "
-                                   f"{name!r} differs from rank 0's")
-
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
         t_load = time.perf_counter()
@@ -245,8 +244,9 @@ class Trainer:
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
-                                progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
-        if ts.step < r.steps and self.replica is None:  # a replica's share waits for its quorum
+                                progress_s=cfg.log.progress_s, config=cfg.to_dict(),
+                                trackers=selected(cfg.log.trackers, cfg.log.tensorboard))
+        if ts.step < r.steps and self.hooks.reads_ahead:
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]
             self._first = (ts.step, collate(self.train_ds, idx))
@@ -257,7 +257,7 @@ class Trainer:
         if resumed:
             metrics.message(f"allhands: resumed from step {ts.step} in {self.run_dir} "
                             f"({mesh.describe()})")
-            self._say(metrics, slow_phase(f"loading checkpoint step {ts.step}", t_load))
+            metrics.message(slow_phase(f"loading checkpoint step {ts.step}", t_load))
         # Also right after a resume: the checkpoint's eval loss under this layout, which must
         # equal the one logged when it was saved, under any other layout (DCP reshards).
         ev = self.evaluate()
@@ -270,8 +270,8 @@ class Trainer:
         self.heartbeat.beat(ts.step)
         try:
             while ts.step < r.steps:
-                if self.replica is not None and self.replica.begin_step(self):
-                    continue  # healed from a peer: the step may have moved
+                if self.hooks.begin_step(self):
+                    continue  # the state was replaced (healed from a peer): the step may have moved
                 self.faults.before_step(ts.step + 1)
                 self.heartbeat.beat(ts.step + 1)  # "working on step ts.step + 1": see supervise.py
                 t0 = time.perf_counter()
@@ -287,24 +287,26 @@ class Trainer:
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)
-                if self.replica is not None and self.replica.discarded_round(self):
-                    continue  # replica mode: a DiLoCo round a member failed in is redone
+                if self.hooks.after_step(self):
+                    continue  # the step's work was rolled back (a discarded DiLoCo round)
                 if not logged_memory:
                     logged_memory = self.layout.log_memory(metrics, self.memory, ts.step)
                 if r.check_sync and self.strategy.in_sync(ts.step):
-                    self.check_replicas(ts.step)
+                    check_replicas(self.parts, mesh, self.layout.replica_dim, ts.step)
                 dt = time.perf_counter() - t0
                 if ts.step == first_step:  # builds caches, buckets and compiled graphs
-                    self._say(metrics, slow_phase("the first step", dt))
+                    metrics.message(slow_phase("the first step", dt))
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
+                    window = self.steplog.window_steps
                     result = self.steplog.gather(
                         step=ts.step, loss_sum=loss_sum, gnorm=gnorm, dt=dt,
                         comm=self.strategy.comm.take(), reports_loss=self.layout.reports_loss,
                         lr=self.scheduler.get_last_lr()[0], tokens_per_sample=self.tokens_per_sample,
                         counters={"nonfinite_skips": ts.nonfinite_skips,
                                   "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks})
+                    result.update(moe_record(self.parts, mesh, window))  # MoE layers only
                     if self.flops is not None:  # flops_per_step, achieved_flops, mfu
                         result.update(self.flops.fields(result["step_time"]))
                     metrics.log(result)
@@ -325,7 +327,7 @@ class Trainer:
                 self._report_checkpoint_warnings(metrics)
                 if not self.strategy.lockstep and ts.step % cfg.log.interval == 0:
                     # an asynchronous worker agrees where it already meets its peers (the log)
-                    self.stop_signal = _agreed_max(FLAG.signum, mesh.device)
+                    self.stop_signal = _agreed_max(self.hooks.stop_signal(), mesh.device)
                 if self.stop_signal and not last:
                     self._stop_cleanly(self.stop_signal)
             failures = self.ckpt.failures
@@ -343,11 +345,6 @@ class Trainer:
             self.ckpt.close()
             metrics.close(summary=ts.step >= r.steps)
         return result
-
-    @staticmethod
-    def _say(metrics: MetricsWriter, line: str | None) -> None:
-        if line:
-            metrics.message(line)
 
     def _report_checkpoint_warnings(self, metrics: MetricsWriter) -> None:
         for w in self.ckpt.warnings:

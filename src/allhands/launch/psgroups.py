@@ -4,10 +4,10 @@ restarts a dead worker alone while the servers and the other workers keep traini
 
 The shape of launch/replicas.py (one ``torchrun`` per group, as torchft runs replica groups):
 the worlds cannot reach each other's process groups, so workers and servers link through a
-store hosted here (sync/ps_links.py: a gloo group per worker, server and worker incarnation),
+store hosted here (ps/links.py: a gloo group per worker, server and worker incarnation),
 every value MAC'd under a secret made for this job (authstore.py). A dead server's agent
 restarts the servers world alone: the servers restore their shards from their last checkpoint
-and the workers, which keep their processes, link to the new incarnation (sync/ps_links.py).
+and the workers, which keep their processes, link to the new incarnation (ps/links.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from allhands.checkpoint.heal import group_dir
+from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.env import PS_ENV
 from allhands.errors import ConfigError, LaunchError
@@ -52,8 +52,8 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         nproc = cfg.ps.servers if g == workers else 1
         group_spec = dataclasses.replace(spec, nproc=nproc, port=0, run_id="")
         # Its logs and restart record; and where its restart resumes from: a restarted server
-        # restores its shard from the servers' checkpoints (worker.run_ps_server), a worker from
-        # its group's (as in replica mode, checkpoint/heal.py)
+        # restores its shard from the servers' checkpoints (ps/start.py run_server), a worker from
+        # its group's (as in replica mode, replica/heal.py)
         where = run_dir / "ps-servers" if g == workers else group_dir(run_dir, g) / "ps-worker"
         resume = run_dir / "ps-checkpoints" if g == workers else group_dir(run_dir, g) / "checkpoints"
         args = (cfg.to_dict(), job, g, workers + 1, store.port, launch, entry, group_spec, policy,

@@ -8,7 +8,7 @@ Group ``G`` of the job is local group ``g`` of node ``r``: ``G = r * nproc + g``
 world (its agent, rendezvous and worker store) stays on loopback; only the quorum's gloo group
 crosses nodes, listening on this node's address (``--local-addr``, else ``--bind``, else the
 address on the route to node 0), and its members prove the replica secret over it before any
-tensor crosses (sync/quorum.py). Node 0 keeps the store up until every node said its groups
+tensor crosses (replica/quorum.py). Node 0 keeps the store up until every node said its groups
 ended (or ``parallel.timeout_s`` after its own did), so a slower node can still finish.
 """
 

@@ -1,23 +1,23 @@
 """Replica mode's launcher (``fault.mode = "replica"``): one torch elastic world per replica
 group, each in a process of its own that runs the single-node launcher with one worker and
-restarts only that group (one worker, or the dp_shard workers of an FSDP group), plus the store where the groups meet every step (sync/quorum.py).
+restarts only that group (one worker, or the dp_shard workers of an FSDP group), plus the store where the groups meet every step (replica/quorum.py).
 
 This is the shape torchft gives a job (one ``torchrun`` per replica group, github.com/pytorch/torchft):
 a failed group is restarted by its own supervisor while the others carry on, and it heals from a
-live peer (checkpoint/heal.py) instead of everyone restarting from a checkpoint. When every group
+live peer (replica/heal.py) instead of everyone restarting from a checkpoint. When every group
 failed at once, each restarts from its own last checkpoint and the quorum forms again among
 them: the restart mode's recovery, kept as the fallback.
 
 The store is a TCPStore on loopback hosted here; every value the workers write to it is MAC'd
 under a secret made for this job (authstore.py), handed to the groups in their environment.
 
-Each group's process is a "slot"; ``fault.spares`` more slots start as spares (sync/spares.py).
+Each group's process is a "slot"; ``fault.spares`` more slots start as spares (replica/spares.py).
 A watcher thread here sees a worker's process die within ``WATCH_S`` (its supervisor needs longer:
 torch's agent polls, then shuts the worker group down), hands its group to an idle spare and posts
 the failure notice, so the survivors neither wait ``fault.quorum_timeout_s`` nor a process start.
 
 A stop signal to this launcher is put in the store (``stop``): the members agree on it in their
-next all-reduce (sync/quorum.py), every group checkpoints the same step, and the job ends with the
+next all-reduce (replica/quorum.py), every group checkpoints the same step, and the job ends with the
 one line of a clean stop; a second signal kills every worker at once.
 """
 
@@ -40,14 +40,14 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from allhands.authstore import sealed
-from allhands.checkpoint.heal import group_dir
+from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
 from allhands.launch import stop
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
-from allhands.sync.spares import hand_over, holder
+from allhands.replica.spares import hand_over, holder
 
 WATCH_S = 0.02  # how often the watcher looks at every worker's process
 CUT_SHORT_S = 5.0  # how long a slot ended after the job may take to stop before it is killed
@@ -164,7 +164,7 @@ def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: s
 
 
 class Watcher(threading.Thread):
-    """The launcher's eye on every worker process (the roster of sync/spares.py): when one that
+    """The launcher's eye on every worker process (the roster of replica/spares.py): when one that
     holds a group dies, its group goes to an idle spare and the failure notice is posted."""
 
     def __init__(self, store: dist.Store, n_groups: int, slots: list, log: Path | None = None):

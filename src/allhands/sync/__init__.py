@@ -1,6 +1,11 @@
-"""How workers reconcile their updates. One module per strategy; the loop sees only this API."""
+"""How data-parallel replicas reconcile their updates: all-reduce (with compression or PowerSGD),
+DiLoCo and local SGD, and ``auto`` choosing between them. One module per strategy; the loop sees
+only ``base.SyncStrategy``. The parameter server (``allhands.ps``) is a strategy of its own mode and
+brings its own builder to the trainer; nothing here imports it."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch.nn as nn
 
@@ -10,15 +15,16 @@ from allhands.sync.allreduce import AllReduceSync
 from allhands.sync.auto import choose
 from allhands.sync.base import SyncStrategy
 from allhands.sync.diloco import DiLoCoSync, LocalSGDSync, replicate_group
-from allhands.sync.ps import PSSync
-from allhands.sync.ps_wire import ps_roles
 
-STRATEGIES = {"allreduce": AllReduceSync, "diloco": DiLoCoSync, "local_sgd": LocalSGDSync,
-              "ps": PSSync}
+STRATEGIES = {"allreduce": AllReduceSync, "diloco": DiLoCoSync, "local_sgd": LocalSGDSync}
+
+#: What builds a run's strategy: ``(cfg, mesh, model) -> (strategy, line for the log)``.
+SyncBuilder = Callable[[Config, Mesh, nn.Module], "tuple[SyncStrategy, str]"]
 
 
 def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy, str]:
-    """The strategy ``parallel.sync`` names (``auto`` measured here), and a line for the log."""
+    """The data-parallel strategy ``parallel.sync`` names (``auto`` measured here), and a line for
+    the log. ``ps`` is built by its own mode (ps/start.py)."""
     s, name, note = cfg.sync, cfg.parallel.sync, ""
     if name == "auto":
         name, note = choose(model, replicate_group(mesh), mesh.device, s.auto_max_comm_s)
@@ -26,10 +32,6 @@ def build_sync(cfg: Config, mesh: Mesh, model: nn.Module) -> tuple[SyncStrategy,
         strategy: SyncStrategy = AllReduceSync(
             bucket_mb=cfg.parallel.bucket_mb, compress=s.compress, powersgd_rank=s.powersgd_rank,
             powersgd_start_step=s.powersgd_start_step, reducer=reducer(cfg, mesh))
-    elif name == "ps":  # this rank is a worker (servers never build a strategy: worker.py)
-        roles = ps_roles(cfg.ps.servers, mesh.rank, mesh.world_size + cfg.ps.servers,
-                         cfg.parallel.timeout_s)
-        strategy = PSSync(cfg.ps, roles, total_steps=cfg.run.steps, timeout_s=cfg.parallel.timeout_s)
     elif name == "diloco":
         strategy = DiLoCoSync(inner_steps=s.inner_steps, total_steps=cfg.run.steps,
                               outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
@@ -55,4 +57,5 @@ def reducer(cfg: Config, mesh: Mesh) -> str:
     return f"{how} every step" + (" (ZeRO-1: optimizer state sharded)" if zero == 1 else "")
 
 
-__all__ = ["AllReduceSync", "DiLoCoSync", "LocalSGDSync", "PSSync", "SyncStrategy", "build_sync", "STRATEGIES"]
+__all__ = ["AllReduceSync", "DiLoCoSync", "LocalSGDSync", "SyncBuilder", "SyncStrategy", "build_sync",
+           "STRATEGIES"]

@@ -56,7 +56,7 @@ class SyncStrategy:
 
     def replica_state(self) -> list[torch.Tensor]:
         """Replica mode: tensors of this strategy's state a healing group takes from its source
-        (checkpoint/heal.py), in an order alike on every group."""
+        (replica/heal.py), in an order alike on every group."""
         return []
 
     def in_sync(self, step: int) -> bool:

@@ -103,7 +103,7 @@ class DiLoCoSync(SyncStrategy):
         self.outer: torch.optim.SGD | None = None
         self.inner: torch.optim.Optimizer | None = None
         self._load_inner = True  # see saved_keys
-        # Replica mode (checkpoint/heal.py): the outer average over the quorum of replica groups
+        # Replica mode (replica/heal.py): the outer average over the quorum of replica groups
         # instead of the dp_replicate group; it returns None when a member failed in the round,
         # which every member then discards (``discarded``) instead of applying.
         self.outer_reduce: Any = None

@@ -1,5 +1,5 @@
 """A parameter server's shard as checkpoint state (parameters, optimizer state, version,
-embedding rows) and the optimizer that steps it (sync/ps_server.py)."""
+embedding rows) and the optimizer that steps it (ps/server.py)."""
 
 from __future__ import annotations
 

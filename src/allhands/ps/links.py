@@ -4,7 +4,7 @@ worker incarnation, server incarnation), so a dead worker's replacement links to
 servers again, and a restarted server to the live workers.
 
 The job's process groups cannot grow a rank back; a new small group can, made the way
-sync/quorum.py makes one per quorum id: a ``ProcessGroupGloo`` over a ``PrefixStore`` of the
+replica/quorum.py makes one per quorum id: a ``ProcessGroupGloo`` over a ``PrefixStore`` of the
 job's MAC'd store, admitted like every other group of the job (mesh.py). Keys:
 - ``life/K``, ``slife/S``: worker K's, server S's incarnation, bumped by each process as it starts;
 - ``pid/K/N``, ``spid/S/M``: the process id of incarnation N (M) (the servers' statistics);
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from allhands.mesh import Mesh
-from allhands.sync import ps_wire as w
+from allhands.ps import wire as w
 
 
 def _life(store: dist.Store, key: str) -> int:

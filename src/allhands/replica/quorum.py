@@ -30,7 +30,7 @@ Keys (all under the store given):
   one for all (torchft's ``should_commit``).
 
 Who may close a quorum early (after ``timeout_s`` without every group registered, or at once when
-every missing group's holder is dead by the launcher's notice, sync/spares.py): a member of
+every missing group's holder is dead by the launcher's notice, replica/spares.py): a member of
 the newest quorum, or anyone once every member of it has restarted (a new incarnation: that
 quorum is dead, e.g. every group failed and restarted from its checkpoint), or anyone after
 ``dead_s``. A group that is merely joining waits for the live quorum to let it in, so two
@@ -55,71 +55,17 @@ long job's store does not grow with its steps.
 from __future__ import annotations
 
 import datetime
-import secrets
 import sys
 import time
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from allhands.admission import admit_peers
+from allhands.replica.membership import Quorum, QuorumFinished, QuorumStopped, shared_token
 from allhands.stopflag import FLAG
 
-
-def shared_token(local: dist.ProcessGroup | None) -> str:
-    """A fresh incarnation token, local rank 0's for every rank of ``local`` (a group's own world)."""
-    token = torch.frombuffer(bytearray(secrets.token_hex(6).encode()), dtype=torch.uint8)
-    if local is not None:
-        local.broadcast([token]).wait()  # root: local rank 0
-    return bytes(token.numpy()).decode()
-
-
-class QuorumFinished(Exception):
-    """The other groups completed the job while this one was joining: nothing left to train."""
-
-
-class QuorumStopped(Exception):
-    """The job was stopped (a signal) while this group waited for a quorum."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by signal {signum} while waiting for a quorum")
-        self.signum = signum
-
-
-@dataclass(frozen=True)
-class Quorum:
-    """A decided membership: quorum id, and per member (sorted by group) its step and incarnation."""
-
-    qid: int
-    members: tuple[int, ...]
-    steps: tuple[int, ...]
-    lives: tuple[str, ...]
-    joiners: int  # the joiners counter when it was decided
-
-    def encode(self) -> bytes:
-        return ";".join([str(self.joiners)] + [f"{g}:{s}:{life}" for g, s, life in
-                                               zip(self.members, self.steps, self.lives)]).encode()
-
-    @classmethod
-    def decode(cls, qid: int, raw: bytes) -> "Quorum":
-        head, *items = raw.decode().split(";")
-        parts = [item.split(":") for item in items]
-        return cls(qid, tuple(int(p[0]) for p in parts), tuple(int(p[1]) for p in parts),
-                   tuple(p[2] for p in parts), int(head))
-
-    @property
-    def source(self) -> int:
-        """Index of the member whose state every member takes: the most advanced, lowest group."""
-        best = max(self.steps)
-        return self.steps.index(best)
-
-    def slots(self, group: int, n_groups: int) -> list[int]:
-        """The shares of the global batch this group computes. The global batch is always cut
-        into ``n_groups`` shares (the sampler's ranks); member i of k takes shares i, i+k, ..."""
-        i, k = self.members.index(group), len(self.members)
-        return list(range(i, n_groups, k))
+__all__ = ["Quorum", "QuorumFinished", "QuorumStopped", "ReplicaQuorum", "shared_token"]
 
 
 class ReplicaQuorum:
@@ -138,7 +84,7 @@ class ReplicaQuorum:
         self.local = local_group if local_group is not None and local_group.size() > 1 else None
         self.rank = self.local.rank() if self.local is not None else 0
         self.ranks = self.local.size() if self.local is not None else 1
-        if life is None:  # not given by the worker (which registered it: sync/spares.py)
+        if life is None:  # not given by the worker (which registered it: replica/spares.py)
             life = shared_token(self.local)
             if self.rank == 0:
                 self.store.set(f"life/{group}", life)
@@ -165,7 +111,7 @@ class ReplicaQuorum:
         return all(restarted)
 
     def _missing_dead(self, missing: list[int]) -> bool:
-        """Every group in ``missing`` is held by a process the launcher saw die (sync/spares.py)."""
+        """Every group in ``missing`` is held by a process the launcher saw die (replica/spares.py)."""
         lives = [self.store.get(f"life/{g}").decode() if self.store.check([f"life/{g}"]) else ""
                  for g in missing]
         return all(life and self.store.check([f"dead/{life}"]) for life in lives)

@@ -1,7 +1,7 @@
 """Heal: a replica group that joins a quorum takes the model, optimizer, schedule and step of the
 quorum's most advanced member, sent as tensors by a broadcast over the quorum's process group
-(the layout travels as JSON, never as a pickle); and the glue that runs the quorum
-(sync/quorum.py) at each step boundary of the one training loop.
+(the layout travels as JSON, never as a pickle); and the mode's loop hooks (hooks.py) that run
+the quorum (replica/quorum.py) at each step boundary of the one training loop.
 
 After a heal every member holds bit-identical parameters and optimizer state, and from then on
 they apply the same summed gradient, so they stay identical. The data cursor is the step
@@ -26,21 +26,15 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from allhands.hooks import LoopHooks
 from allhands.memory import local
-from allhands.sync.quorum import Quorum, ReplicaQuorum
-
-
-def group_dir(run_dir: Path, group: int) -> Path:
-    """Where replica group ``group`` keeps its metrics and checkpoints: group 0 the run
-    directory itself (so reports and resume read it as in restart mode), the others beside it."""
-    return run_dir if group == 0 else run_dir / "replicas" / f"group-{group}"
+from allhands.replica.quorum import Quorum, ReplicaQuorum
 
 
 def _bcast(pg: dist.ProcessGroup, tensors: list[torch.Tensor], src: int) -> None:
@@ -150,15 +144,18 @@ def heal(trainer: Any, pg: dist.ProcessGroup, src: int, me: int,
     trainer.train_state.load_state_dict(layout["train"])  # its own contract: every field travels
 
 
-class ReplicaGroup:
+class ReplicaGroup(LoopHooks):
     """Replica mode inside one group's worker: the trainer's sampler (this group's shares of each
-    global batch under the current quorum), the quorum at each step boundary, and the reduce."""
+    global batch under the current quorum), and its loop hooks: the quorum at each step boundary,
+    the reduce over it, the stop it agreed on, a discarded DiLoCo round redone."""
+
+    reads_ahead = False  # a group's share of a batch is known only once its quorum is formed
 
     def __init__(self, quorum: ReplicaQuorum, trainer: Any):
         self.q, self.n = quorum, quorum.n
         self.sampler = trainer.sampler
         trainer.sampler = self  # the loop asks this object for its micro-batches
-        trainer.replica = self
+        trainer.hooks = self
         self.healed_at: list[dict[str, Any]] = []
         self.held = time.time()
         # DiLoCo: groups are its replicas; inner steps are local, and the outer sync over the
@@ -241,7 +238,7 @@ class ReplicaGroup:
         self._keep_round_start(trainer)  # the next round starts from this boundary
         return avg
 
-    def discarded_round(self, trainer: Any) -> bool:
+    def after_step(self, trainer: Any) -> bool:
         """After a step: True when its outer sync was discarded; the state is then back at the
         round's start (parameters = anchor, inner optimizer, schedule, step) to redo the round."""
         s = self.diloco
@@ -276,9 +273,8 @@ class ReplicaGroup:
                   f"of quorum {q.qid} (a member failed inside it); re-forming", file=sys.stderr, flush=True)
         return ok
 
-    @property
-    def stop(self) -> int:
-        """The stop signal every member agreed on in the last all-reduce (0: none)."""
+    def stop_signal(self) -> int:
+        """The stop signal every member agreed on in the quorum's last all-reduce (0: none)."""
         return self.q.stop
 
     def finish(self, step: int) -> None:

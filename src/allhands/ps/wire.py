@@ -7,11 +7,11 @@ role has a default process group of its own (a prefix of the launcher's store, s
 trainer's collectives span the workers only and the servers' checkpoint collectives the servers
 only), and one gloo group over every rank carries the point-to-point traffic between them. In
 replica mode (launch/psgroups.py) every worker is a world of its own and the traffic goes over
-a group per worker and server instead (sync/ps_links.py); a ``Wire`` hides which.
+a group per worker and server instead (ps/links.py); a ``Wire`` hides which.
 
 Messages are plain tensors sent with gloo's ``send``/``recv`` (nothing is pickled): a request
 header of 8 float64 from a worker, then its payload (a push: the dense gradient pieces, then
-for embedding tables (sync/ps_rows.py) the row count per table piece, the row ids and the
+for embedding tables (ps/rows.py) the row count per table piece, the row ids and the
 gradient rows; a ROWS fetch: the ids, answered with the rows); a reply header of 4 float64 from a server,
 then the parameters. Float64 holds every clock, version and count exactly (below 2**53).
 """
@@ -47,7 +47,7 @@ class Roles:
     world: int
     role_store: dist.Store | None
     cross_store: dist.Store | None
-    links: dist.Store | None = None  # replica mode: the job's MAC'd link store (ps_links.py)
+    links: dist.Store | None = None  # replica mode: the job's MAC'd link store (links.py)
     link_secret: str | None = None  # and the secret its links are admitted under
 
     def server_rank(self, s: int) -> int:

@@ -1,5 +1,5 @@
 """Parameter-server training, the server's side: one process owns a byte-balanced shard of the
-parameters (ps_wire.plan_shards) and their optimizer state, and serves the workers' pushes and
+parameters (wire.plan_shards) and their optimizer state, and serves the workers' pushes and
 pulls until every worker is done (DistBelief's parameter server shard, Dean et al. 2012).
 
 One request at a time, in arrival order (gloo's ``recv_anysource``):
@@ -14,14 +14,14 @@ One request at a time, in arrival order (gloo's ``recv_anysource``):
   ahead of the slowest active worker's (Ho et al. 2013); ``clock_gap`` records that distance
   when a worker is let go, so it never exceeds the bound.
 
-Embedding tables (sync/ps_rows.py): this server's row range of each, updated by row; a ROWS
+Embedding tables (ps/rows.py): this server's row range of each, updated by row; a ROWS
 request is answered at once with the current rows, in every mode (a worker in sync mode asks
 for step t+1's rows only after step t's reply, so after step t's update).
 
 Faults (``fault.inject``, RANK = the server's rank in the job): a server fails while applying
 update STEP (its version + 1), as a worker fails mid-step; torch's elastic agent then restarts
 every process, and the servers restore their shards from the last checkpoint. In replica mode
-(requests over sync/ps_links.py's per-worker links) a worker whose link fails is dropped: it
+(requests over ps/links.py's per-worker links) a worker whose link fails is dropped: it
 leaves the active set (ssp's slowest worker is among the others), its waiting replies go, a push
 of it cut short is not applied; its replacement's first request makes it active again at the
 clock it reports. A server that restarted alone (its own world, replica mode) starts with no
@@ -50,33 +50,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.config import Config
 from allhands.faults import FaultInjector
-from allhands.sync import ps_links, ps_rows, ps_wire as w
-from allhands.sync.ps_shard import Shard, server_optimizer
+from allhands.ps import links as ps_links, rows as ps_rows, wire as w
+from allhands.ps.replies import Waiting, due_replies
+from allhands.ps.shard import Shard, server_optimizer
+
+__all__ = ["Server", "due_replies", "serve"]
 
 SaveFn = Callable[[int, dict[str, Stateful]], None]
 LoadFn = Callable[[int | None, dict[str, Stateful]], int | None]  # step (None: the latest) -> step loaded
-
-
-Waiting = list[tuple[int, int, bool]]  # (worker, its clock, with parameters) replies due
-
-
-def due_replies(waiting: Waiting, mode: str, in_round: set[int], clocks: list[int], active: set[int],
-                max_staleness: int) -> tuple[list[tuple[int, int, bool]], Waiting]:
-    """Which replies go now, as (worker, clock gap to the slowest active worker, with
-    parameters), and which wait: all go, except under sync a worker whose push is in the round
-    not yet applied, and under ssp an active worker more than ``max_staleness`` ahead. A sync
-    pull without a push (a worker's start) goes at once: held until the round that the other
-    workers' first pushes opened, it would wait for its own push, which follows the reply.
-    The replies go slowest worker first: under ssp the slowest paces everyone, so a reply to it
-    that queued behind the released leaders' parameter transfers would slow them all."""
-    slowest = min((clocks[k] for k in active), default=0)
-    go, keep = [], []
-    for src, clock, pull in sorted(waiting, key=lambda r: r[1]):
-        gap = clock - slowest
-        held = (mode == "sync" and src in in_round or
-                mode == "ssp" and gap > max_staleness and src in active)
-        (keep if held else go).append((src, clock, pull) if held else (src, gap, pull))
-    return go, keep
 
 
 class Server:
