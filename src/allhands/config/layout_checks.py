@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from allhands.config.check import check
 from allhands.config.pipeline import (PP_SCHEDULES, check_microbatches, check_stages_per_rank,
-                                      pp_microbatches, pp_stages_per_rank)
+                                      pp_microbatches)
 from allhands.config.tree import Config, ParallelConfig
 from allhands.errors import ConfigError
 
