@@ -53,6 +53,17 @@ LAYOUTS = {
 }
 
 
+def timed(fn, busy: list[float]):
+    """``fn`` adding the seconds spent inside it to ``busy[0]``."""
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            busy[0] += time.perf_counter() - t
+    return wrapper
+
+
 def bubble(mesh, steps: int) -> dict:
     """Per (schedule, m): each stage's busy seconds and the wall seconds of the timed steps."""
     import copy
@@ -75,17 +86,8 @@ def bubble(mesh, steps: int) -> dict:
             stage = pipe.schedule._stage
             busy = [0.0]
 
-            def timed(fn):
-                def wrapper(*a, **k):
-                    t = time.perf_counter()
-                    try:
-                        return fn(*a, **k)
-                    finally:
-                        busy[0] += time.perf_counter() - t
-                return wrapper
-
-            stage.forward_one_chunk = timed(stage.forward_one_chunk)
-            stage.backward_one_chunk = timed(stage.backward_one_chunk)
+            stage.forward_one_chunk = timed(stage.forward_one_chunk, busy)
+            stage.backward_one_chunk = timed(stage.backward_one_chunk, busy)
             g = torch.Generator().manual_seed(1)
             x = torch.randint(0, 257, (m * MICRO, MODEL["seq_len"]), generator=g)
             walls, busies = [], []
@@ -143,18 +145,9 @@ def schedule_bubbles(mesh, steps: int) -> dict:
         pipe.start(mesh.device, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()))
         busy = [0.0]
 
-        def timed(fn):
-            def wrapper(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    busy[0] += time.perf_counter() - t
-            return wrapper
-
         for stage in getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, timed(getattr(stage, name)))
+                setattr(stage, name, timed(getattr(stage, name), busy))
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, 257, (SCHED_M * SCHED_MICRO, SCHED_MODEL["seq_len"]), generator=g)
         ratios = []
