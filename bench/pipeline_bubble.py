@@ -15,7 +15,18 @@
    global batch, same 2 processes: the three layouts alternate in rounds inside the same
    workers (a mesh per layout), so machine noise hits all alike; median step time per round.
 
+3. Every schedule (``--schedules``): torch's seven schedules at p=2 and p=4 (2 and 4 processes),
+   m=8 microbatches, a GPT of 8 blocks; busy time also counts the zero-bubble schedules'
+   ``backward_weight_one_chunk``. Printed per schedule: the idle fraction idle/busy (mean over
+   ranks of the per-step median) beside its published bubble, in units where a forward, an
+   input-gradient backward and a weight-gradient backward cost the same (F = B = W, full backward
+   2): GPipe/1F1B (p-1)/m; Interleaved 1F1B and looped BFS (p-1)/(v m) (Narayanan et al. 2021,
+   Lamy-Poirier 2023); ZB1P (p-1)(F+B-2W)/(m(F+B)) = (p-1)/(3m) (Qi et al. 2024); ZB-V 0
+   (Qi et al. 2024, section 6); DualPipeV (p/2-1)(F&B+B-3W)/(m(F+B)) = (p-2)/(3m) (DeepSeek-V3,
+   table 2, with an overlapped F&B costing F+B).
+
     python bench/pipeline_bubble.py [--rounds 3] [--steps 12]
+    python bench/pipeline_bubble.py --schedules [--steps 8]
 """
 
 from __future__ import annotations
@@ -42,6 +53,17 @@ LAYOUTS = {
 }
 
 
+def timed(fn, busy: list[float]):
+    """``fn`` adding the seconds spent inside it to ``busy[0]``."""
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            busy[0] += time.perf_counter() - t
+    return wrapper
+
+
 def bubble(mesh, steps: int) -> dict:
     """Per (schedule, m): each stage's busy seconds and the wall seconds of the timed steps."""
     import copy
@@ -64,17 +86,8 @@ def bubble(mesh, steps: int) -> dict:
             stage = pipe.schedule._stage
             busy = [0.0]
 
-            def timed(fn):
-                def wrapper(*a, **k):
-                    t = time.perf_counter()
-                    try:
-                        return fn(*a, **k)
-                    finally:
-                        busy[0] += time.perf_counter() - t
-                return wrapper
-
-            stage.forward_one_chunk = timed(stage.forward_one_chunk)
-            stage.backward_one_chunk = timed(stage.backward_one_chunk)
+            stage.forward_one_chunk = timed(stage.forward_one_chunk, busy)
+            stage.backward_one_chunk = timed(stage.backward_one_chunk, busy)
             g = torch.Generator().manual_seed(1)
             x = torch.randint(0, 257, (m * MICRO, MODEL["seq_len"]), generator=g)
             walls, busies = [], []
@@ -95,6 +108,94 @@ def bubble(mesh, steps: int) -> dict:
             # machine must not decide the figure
             out[f"{schedule}/{m}"] = statistics.median((w - b) / b for w, b in zip(walls, busies))
     return out
+
+
+SCHED_MODEL = dict(n_layer=8, n_head=2, n_embd=96, seq_len=64)
+SCHED_M, SCHED_MICRO = 8, 2
+
+
+def published_bubble(schedule: str, p: int, m: int, v: int) -> float:
+    """idle / busy by the schedule's paper, F = B = W (see the module doc)."""
+    return {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved1f1b": (p - 1) / (v * m),
+            "loopedbfs": (p - 1) / (v * m), "interleavedzerobubble": (p - 1) / (3 * m),
+            "zbvzerobubble": 0.0, "dualpipev": (p - 2) / (3 * m)}[schedule]
+
+
+def schedule_bubbles(mesh, steps: int) -> dict:
+    """Per schedule: this rank's median idle/busy over the timed steps."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from allhands.config import PP_SCHEDULES
+    from allhands.config.pipeline import SINGLE_STAGE
+    from allhands.models import GPT, GPTConfig
+    from allhands.parallel.pipeline import build_pipeline
+
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(vocab_size=257, **SCHED_MODEL))
+    pp_mesh, p = mesh.device_mesh["pp"], mesh.size("pp")
+    out = {}
+    for schedule in PP_SCHEDULES:
+        v = 1 if schedule in SINGLE_STAGE else 2
+        pipe = build_pipeline(copy.deepcopy(full), pp_rank=pp_mesh.get_local_rank(), pp_size=p,
+                              group=pp_mesh.get_group(), schedule=schedule, n_microbatches=SCHED_M,
+                              stages_per_rank=v, tied_group=mesh.pp_ends_group() if p > 2 else None)
+        pipe.start(mesh.device, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()))
+        busy = [0.0]
+
+        for stage in getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, timed(getattr(stage, name), busy))
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 257, (SCHED_M * SCHED_MICRO, SCHED_MODEL["seq_len"]), generator=g)
+        ratios = []
+        for i in range(steps + 2):  # two warm-up steps
+            torch.distributed.barrier(group=pp_mesh.get_group())
+            busy[0] = 0.0
+            t0 = time.perf_counter()
+            pipe.step(x, x)
+            pipe.sync_tied_grads()
+            torch.distributed.barrier(group=pp_mesh.get_group())
+            if i >= 2:
+                ratios.append((time.perf_counter() - t0 - busy[0]) / busy[0])
+            for mod in pipe.modules:
+                mod.zero_grad(set_to_none=True)
+        out[schedule] = statistics.median(ratios)
+    return out
+
+
+def schedules_worker(steps: int, out: str) -> None:
+    import torch
+
+    from allhands.env import worker_env
+    from allhands.mesh import Mesh
+
+    torch.set_num_threads(1)
+    env = worker_env()
+    mesh = Mesh.build(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device="cpu",
+                      backend="gloo", dp_replicate=1, pp=env.world_size, timeout_s=300)
+    Path(out, f"sched.p{env.world_size}.rank{env.rank}.json").write_text(
+        json.dumps(schedule_bubbles(mesh, steps)))
+    mesh.destroy()
+
+
+def main_schedules(steps: int) -> None:
+    from allhands.launch.launcher import LaunchSpec, launch
+
+    out = tempfile.mkdtemp(prefix="allhands-bench-schedules-")
+    print(f"m={SCHED_M} microbatches of {SCHED_MICRO} x seq {SCHED_MODEL['seq_len']}, GPT "
+          + " ".join(f"{k}={v}" for k, v in SCHED_MODEL.items()) + f", {steps} timed steps; "
+          "idle/busy measured (mean over ranks) vs published, and 1F1B's published")
+    for p in (2, 4):
+        launch(schedules_worker, (steps, out), LaunchSpec(nproc=p), threads=1)
+        ranks = [json.loads(Path(out, f"sched.p{p}.rank{r}.json").read_text()) for r in range(p)]
+        for schedule in ranks[0]:
+            v = 1 if schedule in ("gpipe", "1f1b") else 2
+            got = statistics.mean(r[schedule] for r in ranks)
+            print(f"p={p} {schedule:22s} measured {got:.3f}  published {published_bubble(schedule, p, SCHED_M, v):.3f}"
+                  f"  1f1b published {published_bubble('1f1b', p, SCHED_M, 1):.3f}")
 
 
 def layout_steps(cfg_dict: dict, extra: list[str], run_dir: Path, env) -> list[float]:
@@ -150,7 +251,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--schedules", action="store_true", help="every torch schedule at p=2 and p=4")
     args = ap.parse_args()
+    if args.schedules:
+        main_schedules(args.steps)
+        return
 
     from allhands.config import load_config
     from allhands.launch.launcher import LaunchSpec, launch

@@ -37,10 +37,20 @@ class OptimizerParts(torch.optim.Optimizer):
     as one. Its ``param_groups`` are the stages' own group dicts, so one LR scheduler drives all."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
+        self.optimizers: list[torch.optim.Optimizer] = []  # no groups while Optimizer.__init__ adds its own
         super().__init__([q for o in optimizers for g in o.param_groups for q in g["params"]],
                          dict(optimizers[0].defaults))
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self):
+        # read live: loading a checkpoint (Optimizer.load_state_dict) replaces a stage optimizer's
+        # group dicts, and an LR scheduler holding the old ones would set LRs nobody reads
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:  # Optimizer.__init__ assigns its own; stages hold theirs
+        pass
 
     @property
     def state(self):  # every stage's state, e.g. for counting its bytes

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from allhands.agree import StepAgreement
-from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
-                                 builds_on_meta, check_compatible, load_weights, seed_rank,
-                                 sharded_loader)
+from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, SchedulerState,
+                                 TrainState, builds_on_meta, check_compatible, load_weights,
+                                 seed_rank, sharded_loader)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
@@ -126,7 +126,8 @@ class Trainer:
 
     # -- checkpoint contract
     def state(self) -> dict[str, Any]:
-        return {"model": ModelOptimState(*self.layout.checkpoint_parts()), "scheduler": self.scheduler,
+        return {"model": ModelOptimState(*self.layout.checkpoint_parts()),
+                "scheduler": SchedulerState(self.scheduler),
                 "train": self.train_state, "rng": self.rng_state, "sync": self.strategy}
 
     def maybe_resume(self) -> bool:

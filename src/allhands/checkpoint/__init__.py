@@ -10,7 +10,8 @@ _WHERE = {"Cadence": "cadence", "FORMAT_VERSION": "catalog", "META_NAME": "catal
           "check_compatible": "catalog", "committed": "catalog", "Checkpointer": "checkpointer",
           "checkpoint_weights": "export", "export_weights": "export", "load_weights": "export",
           "sharded_loader": "export", "builds_on_meta": "export",
-          "ModelOptimState": "state", "RNGState": "state", "TrainState": "state", "seed_rank": "state"}
+          "ModelOptimState": "state", "RNGState": "state", "SchedulerState": "state", "TrainState": "state",
+          "seed_rank": "state"}
 
 __all__ = sorted(_WHERE)
 

@@ -33,43 +33,51 @@ class ModelOptimState(Stateful):
     overlap_until_update = True
 
     def __init__(self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                 aliases: dict[str, str] | None = None):
+                 aliases: dict[str, str] | list[dict[str, str]] | None = None):
         # ``model`` may be the list of this rank's pipeline stages (interleaved schedules), with
         # ``optimizer.optimizers`` one optimizer per stage: the helpers map parameters to FQNs
         # one module at a time. Flat keys make the stages' entries disjoint.
         # ``aliases``: optimizer-state names of tied copies, {local FQN: the unsplit model's FQN}
         # (the last pipeline stage's ``lm_head.weight`` is ``tok_emb.weight`` in one module,
-        # which keys a shared parameter's state by its first name).
+        # which keys a shared parameter's state by its first name); a list: one dict per stage,
+        # for a rank holding both copies in two stages (the V pipeline schedules' rank 0).
         self.model, self.optimizer = model, optimizer
         self.aliases = aliases or {}
 
-    def _parts(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    def _parts(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, str]]]:
         if isinstance(self.model, list):
-            return list(zip(self.model, self.optimizer.optimizers))
-        return [(self.model, self.optimizer)]
+            names = self.aliases if isinstance(self.aliases, list) else [self.aliases] * len(self.model)
+            return list(zip(self.model, self.optimizer.optimizers, names))
+        names = self.aliases[0] if isinstance(self.aliases, list) else self.aliases
+        return [(self.model, self.optimizer, names)]
 
     def state_dict(self) -> dict[str, Any]:
         msd: dict[str, Any] = {}
         osd: dict[str, Any] = {}
-        for model, optim in self._parts():
+        for model, optim, aliases in self._parts():
             m, o = get_state_dict(model, optim, options=self.OPTIONS)
             buffers = {b.untyped_storage().data_ptr() for b in model.buffers() if type(b) is torch.Tensor}
             if buffers:
                 m = {k: v.clone() if type(v) is torch.Tensor and v.untyped_storage().data_ptr() in buffers
                      else v for k, v in m.items()}
             msd.update(m)
-            osd.update(_pack_param_groups(_rename_optim_keys(o, self.aliases)))
+            osd.update(_pack_param_groups(_rename_optim_keys(o, aliases)))
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         parts = self._parts()
-        back = {v: k for k, v in self.aliases.items()}
-        for model, optim in parts:
+        for model, optim, aliases in parts:
+            back = {v: k for k, v in aliases.items()}
             msd, osd = state["model"], _rename_optim_keys(_unpack_param_groups(state["optim"]), back)
             if len(parts) > 1:  # each stage takes its own keys (strict loading stays on)
                 mine = set(get_state_dict(model, optim, options=self.OPTIONS)[0])
                 msd = {k: v for k, v in msd.items() if k in mine}
                 osd = {k: v for k, v in osd.items() if k.split(".", 1)[1].rsplit(".", 1)[0] in mine}
+                # Two stages of this rank holding tied copies read the same entries, and
+                # Optimizer.load_state_dict keeps a loaded tensor as is: without a copy each
+                # it would be one moment tensor both stages' optimizers update in place.
+                osd = {k: v.clone() if isinstance(v, torch.Tensor) and
+                       k.split(".", 1)[1].rsplit(".", 1)[0] in aliases else v for k, v in osd.items()}
             set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=self.OPTIONS)
 
 
@@ -114,6 +122,26 @@ def _rename_optim_keys(osd: dict[str, Any], names: dict[str, str]) -> dict[str, 
         fqn, leaf = rest.rsplit(".", 1)
         out[f"{kind}.{names.get(fqn, fqn)}.{leaf}"] = value
     return out
+
+
+class SchedulerState(Stateful):
+    """A ``LambdaLR`` by its step count alone. The scheduler's own state dict holds one base and
+    last LR per parameter group, and the group count follows the layout (a pipeline rank with
+    two stages has two optimizers' groups): resuming under another schedule or stage count
+    would zip a short list. The LRs are the lambdas' values at the restored step."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.scheduler.last_epoch, "_step_count": self.scheduler._step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.scheduler
+        s.last_epoch, s._step_count = int(state["last_epoch"]), int(state["_step_count"])
+        s._last_lr = [base * f(s.last_epoch) for base, f in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(s.optimizer.param_groups, s._last_lr):
+            group["lr"] = lr
 
 
 class TrainState(Stateful):

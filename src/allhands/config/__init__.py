@@ -6,8 +6,8 @@ from allhands.config.tree import (CheckpointConfig, Config, DataConfig, FaultCon
                                   SyncConfig)
 from allhands.config.layering import apply_override, load_config, to_toml
 from allhands.config.moe import MoEConfig
-from allhands.config.layout_checks import (MESH_DIMS, PP_SCHEDULES, mesh_sizes, pp_microbatches,
-                                           pp_stages_per_rank)
+from allhands.config.layout_checks import MESH_DIMS, mesh_sizes
+from allhands.config.pipeline import PP_SCHEDULES, pp_microbatches, pp_stages_per_rank
 from allhands.config.mode_checks import SYNC_MODES, replica_group_config, replica_group_size
 from allhands.config.validate import parse_mix, validate
 from allhands.errors import ConfigError

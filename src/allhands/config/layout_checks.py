@@ -4,6 +4,8 @@ something to shard, and tensor/pipeline layouts fit the model and the batch."""
 from __future__ import annotations
 
 from allhands.config.check import check
+from allhands.config.pipeline import (PP_SCHEDULES, check_microbatches, check_stages_per_rank,
+                                      pp_microbatches)
 from allhands.config.tree import Config, ParallelConfig
 from allhands.errors import ConfigError
 
@@ -73,17 +75,6 @@ def check_sharding(p: ParallelConfig, sizes: dict[str, int]) -> None:
                           f"parallel.dp_replicate=1) or parallel.zero=0")
 
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-def pp_stages_per_rank(p: ParallelConfig) -> int:
-    return p.pp_stages_per_rank or (2 if p.pp_schedule == "interleaved1f1b" else 1)
-
-
-def pp_microbatches(p: ParallelConfig, pp: int) -> int:
-    return p.pp_microbatches or pp * pp_stages_per_rank(p)
-
-
 def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     """Tensor/pipeline layouts the reference model and the batch cannot honour, caught before
     start instead of as a shape error or a hang inside a collective."""
@@ -110,20 +101,12 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
         if p.tp_sequence_parallel and m.seq_len % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.seq_len={m.seq_len}, which sequence "
                               f"parallelism shards; change one or set parallel.tp_sequence_parallel=false")
-    v = pp_stages_per_rank(p)
     if pp > 1 and p.zero == 1:
         raise ConfigError(f"parallel.zero: 1 (ZeroRedundancyOptimizer over DDP) does not run under "
                           f"pipeline stages; with parallel.pp={pp} use parallel.zero=2 or 3, or 0")
+    v = check_stages_per_rank(p, pp)
     if pp == 1:
-        if p.pp_schedule == "interleaved1f1b" and p.pp_stages_per_rank > 1:
-            raise ConfigError("parallel.pp_stages_per_rank: several stages per rank need parallel.pp > 1")
         return
-    if p.pp_schedule != "interleaved1f1b" and v != 1:
-        raise ConfigError(f"parallel.pp_stages_per_rank: {p.pp_schedule} runs one stage per rank, got {v}; "
-                          f"use parallel.pp_schedule=interleaved1f1b for several")
-    if p.pp_schedule == "interleaved1f1b" and v < 2:
-        raise ConfigError(f"parallel.pp_stages_per_rank: interleaved1f1b needs >= 2 stages per rank, got "
-                          f"{v}; use 2 (or 0) or parallel.pp_schedule=1f1b")
     stages = pp * v
     if not p.pp_split and stages > m.n_layer:
         what = f"pp x stages per rank = {pp} x {v} = {stages}" if v > 1 else f"{pp}"
@@ -139,12 +122,7 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.pp_microbatches: {mb} does not divide the per-rank batch of "
                           f"run.global_batch / (data-parallel ranks x run.micro_batches) = "
                           f"{r.global_batch} / ({dp} x {r.micro_batches}) = {batch}; pick a divisor")
-    if p.pp_schedule != "gpipe" and mb < pp:
-        raise ConfigError(f"parallel.pp_microbatches: {p.pp_schedule} needs at least parallel.pp={pp} "
-                          f"microbatches to fill the pipeline, got {mb}")
-    if p.pp_schedule == "interleaved1f1b" and mb % max(1, mb // pp):
-        raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
-                          f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
+    check_microbatches(p, pp, mb)
 
 
 def check_cp(cfg: Config, cp: int, tp: int, pp: int) -> None:

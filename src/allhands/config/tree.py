@@ -108,9 +108,10 @@ class ParallelConfig:
     reduce_dtype: str = _f("fp32", "gradient reduction dtype under zero 2/3 with run.precision=bf16: fp32 or bf16")
     # tensor and pipeline parallelism (parallel/tensor.py, parallel/pipeline.py)
     tp_sequence_parallel: bool = _f(True, "under tp, shard norms and residuals over the sequence (Korthikanti 2022)")
-    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved1f1b")
+    pp_schedule: str = _f("1f1b", "pipeline schedule (torch's): gpipe, 1f1b, interleaved1f1b, loopedbfs, "
+                          "interleavedzerobubble, zbvzerobubble or dualpipev")
     pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
-    pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
+    pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1 for gpipe and 1f1b, 2 for the others")
     pp_split: str = _f("", "comma-separated FQNs of the units beginning stages 1..; empty = the model's own")
     ep: int = _f(1, "expert-parallel degree: MoE experts split over this many data-parallel ranks "
                     "(parallel/expert.py); divides dp_shard under zero 2/3, else the data-parallel ranks")

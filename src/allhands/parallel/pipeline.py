@@ -14,6 +14,17 @@ under any pp degree. The model's ``forward`` must therefore skip absent parts (s
 
 Stages map to ranks looped: stage ``s`` runs on pp rank ``s % pp``, so with ``v`` stages per
 rank (Interleaved 1F1B, Narayanan et al. 2021) rank ``r`` holds ``r, r + pp, ..., r + (v-1)pp``.
+The V schedules (ZB-V, Qi et al. 2024 section 6; DualPipeV, DeepSeek-V3 2024) hold two stages per
+rank folded into a V: rank ``r`` holds ``r`` and ``2 pp - 1 - r``, so rank 0 runs the first and
+the last stage (torch's ``generate_stage_to_rank_mapping(style="v")``). Whatever the placement,
+a stage keeps the unsplit model's FQNs, so checkpoints move between schedules unchanged.
+
+Zero-bubble schedules (Interleaved ZB, ZB-V, DualPipeV) split each backward into the input
+gradient (sent upstream at once) and the weight gradient (run later, in the bubble). torch's
+stage does the split itself (``backward_one_chunk(full_backward=False)`` then
+``backward_weight_one_chunk``) and runs FSDP's / replicate's gradient reduction once after the
+last weight gradient (``perform_reduce_grad``), so they compose with FSDP stages (measured:
+ZB-V at pp=2 x dp_shard=2 under ZeRO-2 trains what one process trains).
 
 Tied parameters whose copies land on different stages (GPT's ``tok_emb``/``lm_head``: first
 and last stage) are kept equal as Megatron-LM does: both copies start from the same weights,
@@ -32,11 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from allhands.config.pipeline import PP_SCHEDULE_CLASSES, PP_SCHEDULES, SINGLE_STAGE, V_SCHEDULES
 from allhands.models import GPT, Llama
 from allhands.parallel.tensor import _tied_groups
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")  # torch's Schedule{GPipe,1F1B,Interleaved1F1B}
-MULTI_STAGE = {"interleaved1f1b"}
+SCHEDULES = PP_SCHEDULES
+MULTI_STAGE = set(PP_SCHEDULES) - set(SINGLE_STAGE)
 
 
 # --------------------------------------------------------------------------- splitting
@@ -99,7 +111,10 @@ def build_stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
     return stage
 
 
-def stage_ids_of(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+def stage_ids_of(pp_rank: int, pp: int, stages_per_rank: int, schedule: str = "1f1b") -> list[int]:
+    """The stages rank ``pp_rank`` holds: looped, or folded into a V for the V schedules."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
@@ -141,6 +156,7 @@ class Pipeline:
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     tied_group: dist.ProcessGroup | None = None
     schedule: object = None
+    eval_schedule: object = None
     loss_scale: float = 1.0
 
     @property
@@ -154,12 +170,7 @@ class Pipeline:
     def start(self, device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         # Imported here, for start-up time: pipelining imports torch._dynamo, about half a second
         # of every worker's start that a job without pipeline stages does not need.
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
-                                                            ScheduleInterleaved1F1B)
-
-        stages = [PipelineStage(m, s, self.n_stages, device, group=self.group)
-                  for m, s in zip(self.modules, self.stage_ids)]
+        from torch.distributed.pipelining import PipelineStage, schedules
 
         def scaled_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             # Mean over equal microbatches = the batch mean the single process takes. Scaling
@@ -167,11 +178,27 @@ class Pipeline:
             # .grad after each step, including what earlier accumulation steps left there.
             return loss_fn(out, target) * (self.loss_scale / self.n_microbatches)
 
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-               "interleaved1f1b": ScheduleInterleaved1F1B}[self.schedule_name]
-        arg = stages if self.schedule_name in MULTI_STAGE else stages[0]
-        self.schedule = cls(arg, n_microbatches=self.n_microbatches, loss_fn=scaled_loss,
-                            scale_grads=False)
+        def build(stage_cls):
+            stages = [stage_cls(m, s, self.n_stages, device, group=self.group)
+                      for m, s in zip(self.modules, self.stage_ids)]
+            cls = getattr(schedules, PP_SCHEDULE_CLASSES[self.schedule_name])
+            return cls(stages if self.schedule_name in MULTI_STAGE else stages[0],
+                       n_microbatches=self.n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+
+        class ForwardOnlyStage(PipelineStage):
+            # torch 2.13's V schedules hand the input gradient from one stage to the other on the
+            # same rank even in eval(), when there is none, and fail ("can't steal_bwd_input if
+            # this stage doesn't have backward", measured); without backward there is nothing to hand
+            def get_local_bwd_output(self, mb_index):
+                return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+            def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+                if self.has_backward:
+                    super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+        # Training and evaluation get a schedule (and stage wrappers) each over the same modules:
+        # one schedule switched between eval and step re-runs its shape inference at every switch.
+        self.schedule, self.eval_schedule = build(PipelineStage), build(ForwardOnlyStage)
 
     def _call(self, run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -190,7 +217,7 @@ class Pipeline:
 
     def eval(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         self.loss_scale = 1.0
-        return self._call(self.schedule.eval, x, y)
+        return self._call(self.eval_schedule.eval, x, y)
 
     # -- tied parameters across stages
     def _local_tied(self) -> list[tuple[int, str]]:
@@ -207,28 +234,31 @@ class Pipeline:
             holders = [(s, fqn) for s, fqn in group if s in self.stage_ids]
             if not holders:
                 continue
-            s, fqn = holders[0]
-            p = _param(self.modules[self.stage_ids.index(s)], fqn)
-            grad = p.grad
-            if grad is None:
+            grads = [_param(self.modules[self.stage_ids.index(s)], fqn).grad for s, fqn in holders]
+            if any(g is None for g in grads):
                 continue
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            dist.all_reduce(local, group=self.tied_group or self.group)
-            # other copies on this same rank (pp=1 never gets here) take the summed gradient
-            for s2, fqn2 in holders[1:]:
-                _param(self.modules[self.stage_ids.index(s2)], fqn2).grad.copy_(grad)
+            grad = grads[0]
+            if len(holders) == len(group):  # every copy on this rank (the V schedules' rank 0)
+                for g in grads[1:]:
+                    grad.add_(g)
+            else:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=self.tied_group or self.group)
+            # the other copies on this rank take the summed gradient
+            for g in grads[1:]:
+                g.copy_(grad)
 
-    def optimizer_aliases(self) -> dict[str, str]:
-        """{FQN of a tied copy on this rank: the FQN the unsplit model keys its optimizer state
-        by (the first stage's)}, for copies whose first-stage twin lives on another rank."""
-        out = {}
+    def optimizer_aliases(self) -> list[dict[str, str]]:
+        """Per stage of this rank, {FQN of a tied copy: the FQN the unsplit model keys its
+        optimizer state by (the first stage's)}. Every copy but the first is renamed, also one
+        whose first-stage twin is on this rank in another stage (the V schedules' rank 0): the
+        checkpoint then holds one entry per parameter of the unsplit model, whatever the placement."""
+        out: list[dict[str, str]] = [{} for _ in self.stage_ids]
         for group in self.tied:
-            first_stage, first_fqn = group[0]
-            if first_stage in self.stage_ids:
-                continue
+            first_fqn = group[0][1]
             for s, fqn in group[1:]:
                 if s in self.stage_ids:
-                    out[fqn] = first_fqn
+                    out[self.stage_ids.index(s)][fqn] = first_fqn
         return out
 
     def norm_duplicates(self) -> set[int]:
@@ -263,6 +293,9 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     if schedule not in MULTI_STAGE and stages_per_rank != 1:
         raise ValueError(f"parallel.pp_stages_per_rank: {schedule} runs one stage per rank; "
                          f"use interleaved1f1b for {stages_per_rank}")
+    if schedule in V_SCHEDULES and stages_per_rank != 2:
+        raise ValueError(f"parallel.pp_stages_per_rank: {schedule} runs exactly 2 stages per rank, "
+                         f"got {stages_per_rank}")
     n_stages = pp_size * stages_per_rank
     if split_points is None:
         auto = getattr(model, "pipeline_split_points", None)
@@ -274,9 +307,10 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
                              f"(units: {', '.join(units(model))})")
         split_points = auto(n_stages)
     per_stage = stage_units(model, split_points, n_stages)
-    ids = stage_ids_of(pp_rank, pp_size, stages_per_rank)
+    ids = stage_ids_of(pp_rank, pp_size, stages_per_rank, schedule)
     tied = tied_across_stages(model, per_stage)
-    holds_tied = any(s in ids for group in tied for s, _ in group)
+    # a tied pair split over two ranks (not both on this one, as the V schedules' rank 0 holds it)
+    holds_tied = any(set(dict(g)) & set(ids) and not set(dict(g)) <= set(ids) for g in tied)
     if holds_tied and pp_size > 2 and tied_group is None:
         raise ValueError("tied parameters on the first and last stage need tied_group, the group of "
                          "those two ranks (Mesh.pp_ends_group), when pp > 2")
