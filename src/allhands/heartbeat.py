@@ -7,12 +7,16 @@ whether an attempt completed a step before it failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+WAIT_BEAT_S = 1.0  # how often a rank waiting on another world's process beats
 
 
 class Heartbeat:
@@ -25,14 +29,47 @@ class Heartbeat:
         self.path = Path(directory) / f"rank-{rank}" if directory else None
         self.pid, self.host = os.getpid(), socket.gethostname()
         self.first: int | None = None
+        self.step: int | None = None  # the last step beaten
+        self._waits = 0  # callers inside ``waiting()``
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def beat(self, step: int, done: bool = False) -> None:
         if self.path is None:
             return
-        self.first = step if self.first is None else self.first
-        tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
-        tmp.write_text(f"{self.pid} {step} {time.time()!r} {self.host} {int(done)} {self.first}\n")
-        os.replace(tmp, self.path)
+        with self._lock:
+            self.first = step if self.first is None else self.first
+            self.step = step
+            tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
+            tmp.write_text(f"{self.pid} {step} {time.time()!r} {self.host} {int(done)} {self.first}\n")
+            os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Beat the last step again about once a second while the caller waits on a process of
+        another world (a parameter server, launch/psgroups.py), whose own watchdog judges it:
+        the wait is that process's, so this rank must not be the one blamed for a hang. A rank
+        that is itself stopped (SIGSTOP) or hung outside such a wait stops beating all the same."""
+        if self.path is None:
+            yield
+            return
+        with self._lock:
+            self._waits += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat_while_waiting, daemon=True,
+                                                name="allhands-heartbeat")
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waits -= 1
+
+    def _beat_while_waiting(self) -> None:
+        while True:
+            time.sleep(WAIT_BEAT_S)
+            if self._waits and self.step is not None:
+                self.beat(self.step)
 
 
 @dataclass

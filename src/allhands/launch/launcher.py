@@ -41,8 +41,6 @@ from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.supervisor import supervise
 
 
-
-
 def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
@@ -222,7 +220,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     if callable(entrypoint):
         forkstart.ensure_server()
     if policy is None:
-        policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
+        policy = script_policy(spec)
 
     def attempt(n: int, heartbeat_dir: Path) -> None:
         # The workers inherit these; worker_env() reads them back.
@@ -389,9 +387,14 @@ def rendezvous_timeouts(cfg: Config):
     return Timeouts(join_s=f.rdzv_join_timeout_s, last_call_s=f.rdzv_last_call_s, node_s=f.node_timeout_s)
 
 
+def script_policy(spec: LaunchSpec) -> RestartPolicy:
+    """``allhands launch SCRIPT``'s: a training job's (fault.*), without the hang watchdog (a
+    script's workers beat only inside ``allhands.train``)."""
+    return dataclasses.replace(restart_policy(Config(), spec), hang_timeout_s=0.0)
+
+
 def restart_policy(cfg: Config, spec: LaunchSpec) -> RestartPolicy:
-    """The job's restart policy from ``fault.*``; ``--max-restarts`` (when given) wins over
-    ``fault.max_restarts``."""
+    """The job's restart policy from ``fault.*``; ``--max-restarts``, when given, wins."""
     f = cfg.fault
     restarts = spec.max_restarts if spec.max_restarts >= 0 else f.max_restarts
     return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s)
