@@ -156,3 +156,49 @@ def test_a_rank_waiting_on_another_world_keeps_beating_and_a_stopped_one_does_no
     assert during > first and read_heartbeats(tmp_path)[0][1] == 3
     time.sleep(0.3)
     assert read_heartbeats(tmp_path)[0][2] == during  # outside a wait, only steps beat
+
+
+# --------------------------------------------------------------------------- with processes
+
+
+def test_a_stopped_ps_server_is_blamed_and_restarted_not_its_workers(token_dir, tmp_path):
+    """Replica mode, async: the server (rank 2) SIGSTOPs itself at update 5. The servers' own
+    watchdog finds it (the workers waiting on it keep beating) and its world restarts it; no
+    worker world restarts, and the job completes."""
+    from allhands.launch.launcher import LaunchSpec, train_job
+    from conftest import tiny_config
+
+    cfg = tiny_config(token_dir, tmp_path / "run", "parallel.sync=ps", "ps.mode=async", "run.steps=8",
+                      "checkpoint.interval=2", "checkpoint.mode=sync", "data.eval_batches=0",
+                      "fault.mode=replica", "fault.inject=2:5:SIGSTOP", "fault.max_restarts=1",
+                      "fault.backoff_s=0", "fault.hang_timeout_s=3")
+    done = train_job(cfg, LaunchSpec(nproc=3))
+    got = chk.read_run(Path(done.run.dir), 2)
+    assert {e["world"] for e in got["restarts"]} == {"ps-servers"}, got["restarts"]
+    (event,) = got["restarts"]
+    assert event["hang"] and "hung" in event["summary"], event
+    assert got["final_steps"] == {"job": 8, "group-1": 8}
+
+
+def test_a_stop_signal_to_a_ps_jobs_launcher_ends_every_process_of_it(token_dir, tmp_path, cli_env):
+    from conftest import ALLHANDS, ROOT, TINY
+
+    run_dir = tmp_path / "run"
+    env = {**cli_env, "ALLHANDS_CHAOS_TAG": "ps-stop-test"}
+    sets = [f"--set={s}" for s in (*TINY, "parallel.sync=ps", "ps.mode=async", "run.steps=400",
+                                   "data.eval_batches=0", "fault.mode=replica", f"data.path={token_dir}",
+                                   f"run.dir={run_dir}", "log.interval=1")]
+    p = subprocess.Popen([*ALLHANDS, "train", "--nproc", "3", *sets], env=env, cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1)
+    p.send_signal(15)
+    _, err = p.communicate(timeout=90)
+    last = [line for line in err.splitlines() if line.startswith("allhands: ")][-1]
+    assert p.returncode == 143 and last.startswith("allhands: stopped by SIGTERM") and "--resume" in last, err[-2000:]
+    end = time.time() + 10
+    while chk.tagged_processes("ps-stop-test") and time.time() < end:
+        time.sleep(0.2)
+    assert not chk.tagged_processes("ps-stop-test")
