@@ -13,7 +13,7 @@ from allhands.config import Config, apply_override
 from allhands.flops import (StepFlops, accelerator_peak, count_flops, cpu_gemm_peak, gpt_flops_per_token,
                             raise_cpu_gemm_peak)
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.trainer import build_reference_model, lm_loss
+from allhands.job import build_reference_model, lm_loss
 
 from conftest import tiny_config
 

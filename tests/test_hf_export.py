@@ -10,7 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from allhands.checkpoint import committed, load_weights  # noqa: E402
-from allhands.checkpoint.hf import to_gpt2, write_gpt2  # noqa: E402
+from allhands.checkpoint.hf import write_hf  # noqa: E402
+from allhands.models.gpt_hf import to_gpt2  # noqa: E402
 from allhands.cli import main  # noqa: E402
 from allhands.data.corpus import prepare_corpus  # noqa: E402
 from allhands.data.shards import embedded_text  # noqa: E402
@@ -45,7 +46,7 @@ def test_mapping_gives_the_same_logits(tmp_path, bias, tie):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))  # biases and norms away from their init
-    write_gpt2(tmp_path / "hf", ref.state_dict(), cfg.model, 0, None)
+    write_hf(tmp_path / "hf", ref.state_dict(), cfg.model, 0, None)
     ids = torch.randint(0, 300, (2, cfg.model.seq_len))
     with torch.no_grad():
         want = ref(ids)
@@ -89,7 +90,7 @@ def test_byte_tokenizer_opens_in_transformers(tmp_path):
     """A run on bytes (the default corpus) exports the byte tokenizer as a tokenizer.json."""
     cfg = tiny_config(tmp_path, tmp_path)
     sd = build_reference_model(cfg, 257).state_dict()
-    write_gpt2(tmp_path / "hf", sd, cfg.model, 0, (byte_tokenizer_json(), EOT, 256))
+    write_hf(tmp_path / "hf", sd, cfg.model, 0, (byte_tokenizer_json(), EOT, 256))
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     text = "Grüße ✓ <|endoftext|>"
     assert tok(text)["input_ids"] == list("Grüße ✓ ".encode()) + [256]

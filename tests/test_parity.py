@@ -25,6 +25,8 @@ def reference_params(cfg, shares: int = 1) -> dict[str, torch.Tensor]:
     train, _, vocab = load_training_data(cfg)  # data.path or data.mix
     torch.manual_seed(cfg.run.seed)
     model = build_reference_model(cfg, vocab)
+    if cfg.checkpoint.init_from:  # as the trainer does, before training
+        load_weights(model, cfg.checkpoint.init_from)
     opt = build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     sampler = GlobalSampler(len(train), cfg.run.global_batch, cfg.data.seed)

@@ -38,6 +38,8 @@ def _default(value: Any) -> str:
         return "`true`" if value else "`false`"
     if isinstance(value, str):
         return f'`"{value}"`'
+    if isinstance(value, list):
+        return "`[" + ", ".join(f'"{v}"' for v in value) + "]`"
     return f"`{value!r}`"
 
 

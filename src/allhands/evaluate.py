@@ -15,9 +15,12 @@ from allhands.mesh import Mesh
 
 
 def evaluate(layout: Any, ds: Any, sampler: Any, batches: int,
-             to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> float:
+             to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+             weigh: Callable[[list[int]], int] = len) -> float:
     """The mean loss over ``batches`` global batches of ``ds`` drawn by ``sampler``, without
-    gradients, alike on every rank (``layout``: parallel/layout.py's Layout)."""
+    gradients, alike on every rank (``layout``: parallel/layout.py's Layout). ``weigh(indices)``,
+    called before each batch's loss: its weight in the mean (samples; unmasked targets for
+    the token mean, job.TokenMeanLoss)."""
     mesh = layout.mesh
     layout.eval()
     total = torch.zeros(2, dtype=torch.float64)
@@ -25,10 +28,11 @@ def evaluate(layout: Any, ds: Any, sampler: Any, batches: int,
         for b in range(batches):
             idx = sampler.local_micro_batches(b, mesh.dp_rank, mesh.dp_size, 1)[0]
             x, y = to_device(collate(ds, idx))
+            weight = weigh(idx)
             loss = layout.eval_loss(x, y)
             if layout.reports_loss:
-                total[0] += float(loss) * len(idx)
-                total[1] += len(idx)
+                total[0] += float(loss) * weight
+                total[1] += weight
     layout.train()
     # one contribution per data-parallel rank: from its rank that reports_loss
     dist.all_reduce(total)

@@ -5,7 +5,8 @@ MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", appendix B) counts 
 model needs (forward + backward), not those the hardware ran: activation recomputation is left
 out, so MFU compares layouts fairly. The count comes from ``FlopCounterMode`` run on a meta
 copy of the model (shapes only: no memory, no time), which counts matmuls and attention; for the
-reference GPT it equals the analytic ``6 N + 12 L C T`` per token (:func:`gpt_flops_per_token`).
+reference GPT and the Llama family it equals the analytic ``6 N + 12 L C T`` per token
+(:func:`decoder_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -128,13 +129,32 @@ def peak_flops(device: torch.device, dtype: str, threads: int) -> tuple[float | 
     return cpu_gemm_peak(threads, dtype), f"measured {dtype} GEMM, {threads} thread(s)"
 
 
+def decoder_flops_per_token(*, n_layer: int, n_embd: int, seq_len: int, vocab_size: int,
+                            n_head: int = 1, n_kv_head: int = 0, head_dim: int = 0,
+                            ffn_hidden: int = 0, gated: bool = False) -> int:
+    """Analytic training FLOPs per token of a decoder of either family: ``6 N`` for the matmul
+    weights N (embeddings are lookups; biases, norms and RoPE are not matmuls) plus attention's
+    ``12 L T n_head head_dim`` (QK^T and AV, forward and backward, over the full T x T: PaLM's
+    convention, appendix B, which FlopCounterMode follows). Per block N is the projections
+    ``C x (n_head + 2 n_kv_head) head_dim`` (q, k, v: grouped-query heads make k and v narrower),
+    ``n_head head_dim x C`` (output) and the feed-forward's ``2 C H``, or ``3 C H`` when
+    ``gated`` (SwiGLU's gate, up and down); the head adds ``V C``. Defaults: ``n_kv_head`` =
+    ``n_head``, ``head_dim`` = ``C / n_head``, ``H`` = 4 C."""
+    c = n_embd
+    hd = head_dim or c // n_head
+    kv = n_kv_head or n_head
+    hidden = ffn_hidden or 4 * c
+    width = n_head * hd
+    block = c * (width + 2 * kv * hd) + width * c + (3 if gated else 2) * c * hidden
+    n = n_layer * block + vocab_size * c
+    return 6 * n + 12 * n_layer * width * seq_len
+
+
 def gpt_flops_per_token(*, n_layer: int, n_embd: int, seq_len: int, vocab_size: int) -> int:
-    """Analytic training FLOPs per token of the reference GPT: ``6 N`` for the matmul weights
-    (N = 12 L C^2 in the blocks + V C in the head; embeddings are lookups, biases and norms are
-    not matmuls) plus attention's ``12 L C T`` (QK^T and AV, forward and backward, over the full
-    T x T: PaLM's convention, appendix B, which FlopCounterMode follows)."""
-    n = 12 * n_layer * n_embd ** 2 + vocab_size * n_embd
-    return 6 * n + 12 * n_layer * n_embd * seq_len
+    """The reference GPT's :func:`decoder_flops_per_token`: ``6 N + 12 L C T`` with
+    N = 12 L C^2 in the blocks + V C in the head."""
+    return decoder_flops_per_token(n_layer=n_layer, n_embd=n_embd, seq_len=seq_len,
+                                   vocab_size=vocab_size)
 
 
 def count_flops(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor,

@@ -1,8 +1,9 @@
 """What a user brings to a run (model, data, loss, tensor-parallel plan) and the defaults that
-stand in for what they leave out: the reference GPT, the token shards and the LM loss."""
+stand in for what they leave out: the reference model, the token shards and the LM loss."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -10,9 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allhands.config import Config
+from allhands.config import Config, parse_mix
 from allhands.data import load_training_data
-from allhands.models import GPT, GPTConfig
+from allhands.data.shards import load_meta
+from allhands.models.build import build_model, family_config, with_preset
 
 ModelFn = Callable[[Config], nn.Module]
 DataFn = Callable[[Config], Any]
@@ -34,11 +36,49 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
-def build_reference_model(cfg: Config, vocab_size: int) -> GPT:
-    m = cfg.model
-    return GPT(GPTConfig(vocab_size=m.vocab_size or vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                         tie_embeddings=m.tie_embeddings))
+class TokenMeanLoss:
+    """Next-token cross entropy averaged over the targets that carry loss (not -100) in the
+    whole global batch, for data with a loss mask (instruction examples).
+
+    A mean per micro-batch would weight a target by how many others share its micro-batch, and
+    averaging per-rank means is not the global mean when ranks hold different numbers of
+    unmasked targets. So each loss call returns its sum divided by ``per_call`` = (the step's
+    unmasked targets, counted on every rank from the sampler's global batch) / (the loss calls
+    whose results the step averages: data-parallel ranks x micro-batches x pipeline
+    microbatches). The 1/micro-batches and 1/microbatches scales and the gradient average over
+    ranks then give exactly sum / count over the global batch, at any world size."""
+
+    def __init__(self):
+        self.per_call = 1.0
+
+    def begin(self, targets: int, calls: int) -> None:
+        """Before a step (or an evaluation batch): its unmasked targets and its loss calls."""
+        self.per_call = max(targets, 1) / calls  # a batch without targets: a loss of 0, no NaN
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                               reduction="sum") / self.per_call
+
+
+def default_loss(train_ds) -> LossFn:
+    """The loss for the built-in data: the token mean over unmasked targets for masked data,
+    the plain mean otherwise."""
+    return TokenMeanLoss() if getattr(train_ds, "masked_targets", False) else lm_loss
+
+
+def build_reference_model(cfg: Config, vocab_size: int) -> nn.Module:
+    """The model ``cfg.model`` names (the reference GPT or a Llama-family decoder); a preset
+    still unresolved is resolved here (models/build.py)."""
+    fc = family_config(with_preset(cfg.model), vocab_size)
+    if cfg.data.packing == "mask":  # rows of packed documents: the model masks by their end token
+        fc = dataclasses.replace(fc, doc_token=document_token(cfg))
+    return build_model(fc)
+
+
+def document_token(cfg: Config) -> int:
+    """The end-of-document token id of the job's prepared data (every source of a mix shares it)."""
+    path = parse_mix(cfg.data.mix)[0][0] if cfg.data.mix else cfg.data.path
+    return int(load_meta(path)["eot"])
 
 
 def build_data(cfg: Config, job: Job):

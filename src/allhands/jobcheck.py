@@ -139,8 +139,16 @@ def check_token_data(path: str, seq_len: int, global_batch: int) -> None:
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
         shards = [int(e["tokens"]) for e in meta["splits"]["train"]]
+        examples = sum(int(e["examples"]) for e in meta["splits"]["train"]) \
+            if meta.get("kind") == "instruct" else None
     except (OSError, ValueError, KeyError, TypeError):
         return  # unreadable metadata: the workers' loader names what is wrong with it
+    if examples is not None:  # instruction data: one sample per example (data/examples.py)
+        if examples < global_batch:
+            raise ConfigError(f"data.path: {path!r} holds {examples} training examples, fewer than "
+                              f"run.global_batch={global_batch}; add examples or lower "
+                              f"run.global_batch")
+        return
     samples = sum((n - 1) // seq_len for n in shards if n > seq_len)
     if samples < global_batch:
         raise ConfigError(f"data.path: {path!r} holds {samples} training samples of model.seq_len+1="

@@ -1,13 +1,14 @@
 """The one owner of the process group and the named device mesh.
 
 Built once per worker and passed explicitly to every strategy; nothing else creates process
-groups. Its four named dimensions are ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; every
-strategy asks this object for the group of the dimension it works over.
+groups. Its five named dimensions are ``pp``, ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``;
+every strategy asks this object for the group of the dimension it works over.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,11 @@ from allhands.config import MESH_DIMS, ParallelConfig, mesh_sizes
 from allhands.authstore import sealed
 from allhands.env import worker_admission_env, worker_env, worker_store_env
 from allhands.errors import ConfigError
+
+
+#: Flattened dims: the mesh dims each spans.
+FLAT = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+        "dp_shard_cp": ("dp_shard", "cp")}
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
@@ -34,11 +40,14 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 @dataclass
 class Mesh:
-    """The job's ranks as a named 4-D DeviceMesh ``(pp, dp_replicate, dp_shard, tp)``.
+    """The job's ranks as a named 5-D DeviceMesh ``(pp, dp_replicate, dp_shard, cp, tp)``.
 
     Dims of size 1 are kept, so every strategy can ask for any dim by name; their groups have
     one member and cost nothing in a collective. ``dp`` (dp_replicate x dp_shard flattened) is
-    the set of ranks that see different data: the sampler, eval and metrics use it.
+    the set of ranks that see different data: the sampler, eval and metrics use it. The ranks of
+    a ``cp`` group see the same sequences, each a part of every one (parallel/context.py), so
+    gradients are reduced over ``dp_cp`` (dp x cp) and FSDP shards over ``dp_shard_cp``
+    (torchtitan's ``dp_shard_cp``); without context parallelism these are ``dp`` and ``dp_shard``.
     """
 
     rank: int
@@ -56,15 +65,15 @@ class Mesh:
 
     @classmethod
     def build(cls, *, rank: int, world_size: int, local_rank: int, device: str, backend: str,
-              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
+              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
               timeout_s: float = 300.0, store: dist.Store | None = None) -> "Mesh":
         """Initialise the default process group (env:// from the launcher, or ``store`` for the
         ranks of one role of a larger job: the parameter server's workers) and the mesh."""
         dev = pick_device(device, local_rank)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
-        sizes = mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp),
-                           world_size)
+        sizes = {"cp": 1, **mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+                                                       pp=pp, cp=cp), world_size)}
         timeout = datetime.timedelta(seconds=timeout_s)
         admit = False  # launched workers prove the job secret on every group they will use
         if not dist.is_initialized():
@@ -84,10 +93,13 @@ class Mesh:
                 admit = True
         dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
         dp_mesh = dmesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if sizes["cp"] > 1:
+            dmesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            dmesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, _admit=admit)
         # Each dim's group has connections of its own, set up through the store: a stranger
         # could pose as a member there, so it is admitted like the default group.
-        for dim in (*cls.DIMS, "dp"):
+        for dim in (*cls.DIMS, "dp", *(("dp_cp", "dp_shard_cp") if sizes["cp"] > 1 else ())):
             if mesh.size(dim) > 1:
                 mesh._admitted(mesh.group(dim))
         return mesh
@@ -103,24 +115,42 @@ class Mesh:
         """The 1-D submesh of ``dim`` (one of DIMS or "dp"); None when the dim has size 1."""
         if self.size(dim) == 1:
             return None
-        return self.dp_mesh if dim == "dp" else self.device_mesh[dim]
+        return self.submesh(dim)
 
     def submesh(self, *dims: str) -> DeviceMesh:
         """The submesh over ``dims`` (in mesh order), kept even where a size is 1 (FSDP's HSDP
-        takes the 2-D ``("dp_replicate", "dp_shard")``)."""
-        return self.dp_mesh if dims == ("dp",) else self.device_mesh[dims if len(dims) > 1 else dims[0]]
+        takes the 2-D ``("dp_replicate", "dp_shard")``, or ``("dp_replicate", "dp_shard_cp")``)."""
+        if dims == ("dp",):
+            return self.dp_mesh
+        if self.sizes["cp"] == 1:  # no flattened cp dims exist: they are the ones without cp
+            dims = tuple({"dp_cp": "dp", "dp_shard_cp": "dp_shard"}.get(d, d) for d in dims)
+            if dims == ("dp",):
+                return self.dp_mesh
+        return self.device_mesh[dims if len(dims) > 1 else dims[0]]
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        return self.dp_mesh.get_group() if dim == "dp" else self.device_mesh.get_group(dim)
+        if dim in FLAT:
+            return self.submesh(dim).get_group()
+        return self.device_mesh.get_group(dim)
 
     def size(self, dim: str) -> int:
-        if dim == "dp":
-            return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+        if dim in FLAT:
+            return math.prod(self.sizes[d] for d in FLAT[dim])
         return self.sizes[dim]
+
+    def grad_dim(self, replicate: bool = True) -> str:
+        """The dim whose ranks reduce one gradient: the data-parallel ranks (``dp``, or only
+        ``dp_shard`` when a sync strategy reconciles the replicas itself) and, under context
+        parallelism, their cp ranks with them."""
+        if self.sizes["cp"] == 1:
+            return "dp" if replicate else "dp_shard"
+        return "dp_cp" if replicate else "dp_shard_cp"
 
     def local_rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim`` (or in the flattened ``dp``)."""
-        return self.dp_mesh.get_local_rank() if dim == "dp" else self.device_mesh.get_local_rank(dim)
+        if dim in FLAT:
+            return self.submesh(dim).get_local_rank()
+        return self.device_mesh.get_local_rank(dim)
 
     # -- the data-parallel view used by the sampler, eval and the sync strategies
     @property
@@ -150,7 +180,7 @@ class Mesh:
         return self._admitted(mine)
 
     def describe(self) -> str:
-        return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS)
+        return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS if d != "cp" or self.sizes[d] > 1)
 
     def checkpoint_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank for DCP's asynchronous saves, whose collectives run in a

@@ -1,20 +1,21 @@
 """What a run reports: progress and a summary on rank 0 (a bar on a terminal; otherwise, for
 Slurm logs, nohup, tee or a pipe, a plain line every ``log.progress_s`` seconds, and a line for each
 slow start-up phase), ``metrics.jsonl`` (one JSON line per logged step, each rank's step time
-included so a straggler is visible) and TensorBoard events when tensorboard is installed. Only
-rank 0 writes; other ranks pass ``enabled=False``.
+included so a straggler is visible), and the same lines to the experiment trackers of
+``log.trackers`` (trackers.py). Only rank 0 writes; other ranks pass ``enabled=False``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from allhands.safefs import open_private
+from allhands.trackers import Trackers
 
 # A start-up phase (starting the workers, their rendezvous, building the model, loading a
 # checkpoint, the first step) this slow gets a line of its own, so a log never sits silent
@@ -51,7 +52,8 @@ def progress_line(record: dict[str, Any], total: int, eta_s: float) -> str:
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 progress: bool = True, progress_s: float = 0.0, tensorboard: bool = True):
+                 progress: bool = True, progress_s: float = 0.0,
+                 trackers: Sequence[str] = ("tensorboard",), config: dict[str, Any] | None = None):
         self.enabled, self.total = enabled, total_steps
         self.t0 = time.perf_counter()
         # plain lines (no terminal): every progress_s seconds; the ETA from the steps of this run
@@ -61,22 +63,18 @@ class MetricsWriter:
         self.last: dict[str, Any] = {}
         self.first_eval: float | None = None
         self.last_eval: float | None = None
-        self._file = self._bar = self._tb = None
+        self._file = self._bar = self._trackers = None
         if not enabled:
             return
         self._file = open_private(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         if progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr, disable=None)
+        # after the bar, so that a tracker's warning goes above it
+        self._trackers = Trackers(run_dir, trackers, config if config is not None else {},
+                                  say=self.message)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -88,10 +86,7 @@ class MetricsWriter:
             if self.first_eval is None:
                 self.first_eval = record["eval_loss"]
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    self._tb.add_scalar(k, v, record["step"])
+        self._trackers.log(record)
         if self._bar is not None and "loss" in record:
             self._bar.n = record["step"]
             rate, unit = throughput(record)
@@ -128,8 +123,7 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._trackers.close(finished=summary)
         self._file.close()
         if summary and self.last:
             wall = time.perf_counter() - self.t0

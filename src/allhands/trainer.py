@@ -8,6 +8,7 @@ reconciled -> clip -> AdamW step -> schedule step -> metrics -> maybe eval -> ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from allhands.checkpoint import (Cadence, Checkpointer, ModelOptimState, RNGState, TrainState,
-                                 check_compatible, load_weights, seed_rank)
+                                 builds_on_meta, check_compatible, load_weights, seed_rank,
+                                 sharded_loader)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
@@ -29,7 +31,8 @@ from allhands.evaluate import check_replicas, evaluate
 from allhands.heartbeat import Heartbeat
 from allhands.hooks import LoopHooks
 from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler_for
-from allhands.job import Job, build_data, build_reference_model, lm_loss
+from allhands.data.examples import valid_targets
+from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, default_loss
 from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
 from allhands.optim import lr_lambda
@@ -37,6 +40,7 @@ from allhands.parallel.layout import build_layout
 from allhands.steplog import StepLog
 from allhands.stopflag import CleanStop
 from allhands.sync import SyncBuilder, build_sync
+from allhands.trackers import selected
 
 __all__ = ["Job", "Trainer"]  # Job re-exported: ``from allhands.trainer import Job, Trainer``
 
@@ -56,16 +60,23 @@ class Trainer:
         self.train_ds, self.val_ds = checked_data(self.train_ds, self.val_ds, r.global_batch)
         # Same seed on every rank for initialisation; DDP also broadcasts rank 0's weights.
         torch.manual_seed(r.seed)
-        raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
-        raw = checked_model(raw).to(mesh.device)
-        if cfg.checkpoint.init_from:  # before any sharding: a plain module takes plain tensors
-            load_weights(raw, cfg.checkpoint.init_from)
+        # a transformers directory fills each rank's cut of the model by slice, after
+        # parallelize (build_layout's load); under FSDP the model is built on the meta device
+        # first, so no rank holds all of it; other weights go whole into the plain module
+        meta = builds_on_meta(cfg, job.model is not None)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
+        raw = checked_model(raw) if meta else checked_model(raw).to(mesh.device)
+        init = cfg.checkpoint.init_from
+        load_cut = sharded_loader(init, mesh.device) if init else None
+        if init and load_cut is None:
+            load_weights(raw, init)
         seed_rank(r.seed, mesh.rank)
-        self.loss_fn = checked_loss(job.loss) if job.loss else lm_loss
+        self.loss_fn = checked_loss(job.loss) if job.loss else default_loss(self.train_ds)
         self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
-        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan)
+        self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan, load=load_cut)
         del raw  # when the layout split it, the unsplit copy is not trained; free it
         self.parts, self.model = self.layout.parts, self.layout.model
         self.raw_model = self.parts[0]  # parallelized in place: its parameters are the trained ones
@@ -161,12 +172,24 @@ class Trainer:
         if self.val_sampler is None or self.cfg.data.eval_batches == 0:
             return None
         return evaluate(self.layout, self.val_ds, self.val_sampler, self.cfg.data.eval_batches,
-                        self._to_device)
+                        self._to_device, weigh=lambda idx: self._begin_loss(self.val_ds, idx, calls=1))
+
+    def _begin_loss(self, ds, indices: list[int], calls: int) -> int:
+        """Weight of a batch of ``indices`` in a mean: its unmasked targets under the token
+        mean (which is told them, and its ``calls`` times the layout's splits), else its samples."""
+        if not isinstance(self.loss_fn, TokenMeanLoss):
+            return len(indices)
+        n = valid_targets(ds, indices)
+        self.loss_fn.begin(n, calls * self.layout.loss_splits())
+        return n
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.cfg.run
         micro = self.sampler.local_micro_batches(step, self.mesh.dp_rank, self.mesh.dp_size,
                                                  r.micro_batches)
+        if isinstance(self.loss_fn, TokenMeanLoss):  # every rank counts the whole global batch
+            self._begin_loss(self.train_ds, self.sampler.global_batch_indices(step),
+                             calls=self.mesh.dp_size * r.micro_batches)
         loss_sum = torch.zeros((), device=self.mesh.device)
         first, self._first = self._first, None  # fit read this step's first micro-batch ahead
         for i, idx in enumerate(micro):
@@ -220,7 +243,8 @@ class Trainer:
         ts = self.train_state
         metrics = MetricsWriter(self.run_dir, enabled=mesh.is_main, total_steps=r.steps,
                                 start_step=ts.step, progress=cfg.log.progress,
-                                progress_s=cfg.log.progress_s, tensorboard=cfg.log.tensorboard)
+                                progress_s=cfg.log.progress_s, config=cfg.to_dict(),
+                                trackers=selected(cfg.log.trackers, cfg.log.tensorboard))
         if ts.step < r.steps and self.hooks.reads_ahead:
             idx = self.sampler.local_micro_batches(ts.step, mesh.dp_rank, mesh.dp_size,
                                                    r.micro_batches)[0]

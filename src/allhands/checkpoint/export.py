@@ -1,5 +1,5 @@
 """Consolidated full weights in and out: ``allhands export RUN_DIR --out model.safetensors``
-(or ``--format hf``: a transformers GPT-2 directory, hf.py), ``checkpoint.init_from`` and
+(or ``--format hf``: a transformers directory of the run's family, hf.py), ``checkpoint.init_from`` and
 :func:`load_weights`, the one way to put saved weights (a .safetensors file, a transformers
 directory or a committed checkpoint directory) into a plain module.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,12 +27,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from allhands.checkpoint.catalog import committed
-from allhands.checkpoint.hf import is_gpt2_dir, read_gpt2, write_gpt2
+from allhands.checkpoint.hf import write_hf
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
 from allhands.config import load_config, parse_mix
 from allhands.data.tokenizer import EOT, byte_tokenizer_json
 from allhands.errors import CheckpointError, ConfigError, cannot_write
+from allhands.models.hf import is_hf_dir, load_hf
 
 # ModelOptimState saves {"model": model_state, "optim": ...} under the checkpoint key "model".
 _PREFIX = "model.model."
@@ -107,10 +109,11 @@ def _run_tokenizer(cfg) -> tuple[tuple[str, str, int] | None, str]:
     return ((Path(data) / meta["tokenizer_file"]).read_text(), meta["eot_token"], meta["eot"]), ""
 
 
-def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike,
-              step: int | None = None) -> tuple[Path, str]:
-    """Write ``run_dir``'s reference GPT as a transformers GPT-2 directory ``out`` with the
-    tokenizer it was trained with; returns (out, a note when the tokenizer could not be found)."""
+def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
+              max_shard_size: str | int = "5GB") -> tuple[Path, str]:
+    """Write ``run_dir``'s model as a transformers directory ``out`` (sharded above
+    ``max_shard_size``) with the tokenizer it was trained with; returns (out, a note when the
+    tokenizer could not be found)."""
     resolved = Path(run_dir) / "config.resolved.toml"
     if not resolved.is_file():
         raise ConfigError(f"export: {str(run_dir)!r} has no config.resolved.toml; pass a run "
@@ -121,19 +124,50 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike,
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {str(out)!r} is a file; --format hf writes a directory")
-    write_gpt2(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer)
+    write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size)
     return out, note
+
+
+def sharded_loader(path: str | os.PathLike,
+                   device: torch.device | str = "cpu") -> Callable[[nn.Module], nn.Module] | None:
+    """For a transformers directory, the function that fills a model already cut for this rank
+    (a pipeline stage, FSDP or tensor-parallel DTensor shards) with just the slices it holds,
+    read from the files by slice (models/hf.py); a part still on the meta device is first
+    allocated on ``device``, shards only. None for the other sources, which
+    :func:`load_weights` reads whole into the uncut model."""
+    if not is_hf_dir(Path(path)):
+        return None
+
+    def load(part: nn.Module) -> nn.Module:
+        if any(t.is_meta for t in part.parameters()):
+            part.to_empty(device=device)
+            for m in part.modules():  # buffers computed from the config (the RoPE table)
+                if callable(getattr(m, "init_buffers", None)):
+                    m.init_buffers()
+        return load_hf(part, Path(path))
+
+    return load
+
+
+def builds_on_meta(cfg, own_model: bool) -> bool:
+    """Whether a run builds its model on the meta device, so no rank ever holds all of it: it
+    starts from a transformers directory, which fills every parameter after the cut, under FSDP
+    (ZeRO-2/3) with all-reduce sync (DDP, DiLoCo and the others read real weights before then).
+    ``own_model``: the Python API was given a model (it may initialise more than the file holds)."""
+    p = cfg.parallel
+    return (not own_model and bool(cfg.checkpoint.init_from) and is_hf_dir(Path(cfg.checkpoint.init_from))
+            and p.zero >= 2 and p.sync == "allreduce")
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Copy saved weights into a plain (not yet parallelized) ``model``: ``path`` is a
-    .safetensors file (``allhands export``), a transformers GPT-2 directory (``allhands export
-    --format hf``, or any GPT-2 of the reference GPT's shape) or a committed checkpoint directory. Every parameter
-    and buffer must be there with its shape."""
+    .safetensors file (``allhands export``), a transformers directory of the model's family
+    (``allhands export --format hf``, or one from the Hub: models/hf.py reads it tensor by tensor)
+    or a committed checkpoint directory. Every parameter and buffer must be there with its shape."""
+    if is_hf_dir(Path(path)):
+        return load_hf(model, Path(path))
     own = model.state_dict()
-    if is_gpt2_dir(Path(path)):
-        sd = read_gpt2(Path(path), own)
-    elif Path(path).is_dir():
+    if Path(path).is_dir():
         sd = checkpoint_weights(Path(path))
     else:
         try:

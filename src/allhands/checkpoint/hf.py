@@ -1,16 +1,9 @@
-"""The reference GPT under transformers' GPT-2 names, both ways: ``allhands export --format hf``
-writes a directory ``GPT2LMHeadModel.from_pretrained`` opens offline, and
-``checkpoint.init_from`` reads one back.
-
-The two models compute the same function: learned positions, pre-LayerNorm blocks (eps 1e-5),
-exact-erf GELU (transformers' ``"gelu"``, not GPT-2's tanh ``"gelu_new"``), 1/sqrt(head_dim)
-attention scaling. Three differences are in the layout of the tensors only:
-
-- transformers' GPT-2 uses ``Conv1D`` (transformers/pytorch_utils.py), a linear layer whose
-  weight is stored ``(in, out)``: every projection is transposed;
-- its fused ``c_attn`` holds ``[q | k | v]`` over all heads, where allhands' ``qkv`` holds them
-  head by head (``[q_h0 k_h0 v_h0 | q_h1 ...]``, see models/gpt.py): rows are regrouped;
-- GPT-2 always has biases: a model trained with ``model.bias=false`` exports zeros.
+"""A run's model as a transformers directory, for every family: ``allhands export --format hf``
+writes what ``AutoModelForCausalLM.from_pretrained`` opens offline (GPT2LMHeadModel for the
+reference GPT; LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM for the Llama family),
+with the tokenizer the run trained with. The name maps and the file format are the models'
+(models/gpt_hf.py, models/llama_hf.py, models/hf.py); this module adds the run's config and
+tokenizer.
 """
 
 from __future__ import annotations
@@ -20,126 +13,23 @@ from pathlib import Path
 
 import torch
 
-from safetensors.torch import load_file, save_file
-
-from allhands.errors import CheckpointError
-
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-# allhands name -> GPT-2 name, per block (``h.{i}.``) and for the rest of the model
-_BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
-          "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
-_TOP = {"tok_emb.weight": "transformer.wte.weight", "pos_emb.weight": "transformer.wpe.weight",
-        "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias",
-        "lm_head.weight": "lm_head.weight"}
+from allhands.config import ModelConfig
+from allhands.models.build import family_config
+from allhands.models.hf import hf_config_json, hf_tensors, write_hf_dir
 
 
-def _heads(t: torch.Tensor, n_head: int, to_gpt2: bool) -> torch.Tensor:
-    """Regroup qkv rows between head-major (allhands) and q|k|v-major (GPT-2)."""
-    rest = t.shape[1:]
-    if to_gpt2:
-        return t.reshape(n_head, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-    return t.reshape(3, n_head, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-
-
-def _name_map(n_layer: int) -> dict[str, str]:
-    out = dict(_TOP)
-    for i in range(n_layer):
-        for ours, theirs in _BLOCK.items():
-            for kind in ("weight", "bias"):
-                out[f"blocks.{i}.{ours}.{kind}"] = f"transformer.h.{i}.{theirs}.{kind}"
-    return out
-
-
-def to_gpt2(sd: dict[str, torch.Tensor], n_layer: int, n_head: int,
-            tie: bool) -> dict[str, torch.Tensor]:
-    """GPT-2 tensors of an allhands state dict; absent biases become zeros."""
-    out = {}
-    for ours, theirs in _name_map(n_layer).items():
-        if ours == "lm_head.weight" and tie:
-            continue  # tied to wte; transformers ties it again on load (tie_word_embeddings)
-        t = sd.get(ours)
-        if t is None:
-            if not ours.endswith(".bias"):
-                raise CheckpointError(f"export: the checkpoint has no tensor {ours!r}; it is not "
-                                      f"the reference GPT (model.*), so it cannot be a GPT-2")
-            width = sd[ours[:-4] + "weight"].shape[0]
-            t = torch.zeros(width, dtype=sd["tok_emb.weight"].dtype)
-        if ".qkv." in ours:
-            t = _heads(t, n_head, to_gpt2=True)
-        if t.dim() == 2 and ours.startswith("blocks."):
-            t = t.t()  # Conv1D stores (in, out)
-        out[theirs] = t.contiguous()
-    return out
-
-
-def from_gpt2(sd: dict[str, torch.Tensor], n_layer: int, n_head: int,
-              own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The allhands state dict (keys of ``own``) from GPT-2 tensors; biases the model lacks
-    must be zero in the file."""
-    sd = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
-          for k, v in sd.items()}  # a bare GPT2Model's keys have no "transformer." prefix
-    out = {}
-    for ours, theirs in _name_map(n_layer).items():
-        t = sd.get(theirs)
-        if ours == "lm_head.weight" and t is None:
-            t = sd.get("transformer.wte.weight")  # tied
-        if t is None:
-            continue  # named as missing by the caller's shape check
-        if t.dim() == 2 and ours.startswith("blocks."):
-            t = t.t()
-        if ".qkv." in ours:
-            t = _heads(t, n_head, to_gpt2=False)
-        if ours not in own:
-            if ours.endswith(".bias") and not t.any():
-                continue  # the zeros a bias-free model exported
-            raise CheckpointError(f"checkpoint.init_from: {theirs!r} is not zero but the model "
-                                  f"has no biases; set model.bias=true")
-        out[ours] = t.contiguous()
-    return out
-
-
-def gpt2_config(m, vocab_size: int, eot: int | None) -> dict:
-    """transformers' GPT2Config of the reference GPT ``m`` (a ModelConfig)."""
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
-            "n_positions": m.seq_len, "n_ctx": m.seq_len, "n_embd": m.n_embd,
-            "n_layer": m.n_layer, "n_head": m.n_head, "n_inner": None,
-            "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
-            "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "tie_word_embeddings": m.tie_embeddings,
-            "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32"}
-
-
-def write_gpt2(out: Path, sd: dict[str, torch.Tensor], m, step: int,
-               tokenizer: tuple[str, str, int] | None) -> None:
-    """Write the directory: config.json, model.safetensors and, with ``tokenizer`` =
-    (tokenizer.json text, end-of-document token, its id), the tokenizer files."""
-    vocab = sd["tok_emb.weight"].shape[0]
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = to_gpt2(sd, m.n_layer, m.n_head, m.tie_embeddings)
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt", "allhands_step": str(step)})
+def write_hf(out: Path, sd: dict[str, torch.Tensor], m: ModelConfig, step: int,
+             tokenizer: tuple[str, str, int] | None, max_shard_size: str | int = "5GB") -> None:
+    """Write the directory: config.json, the weights (sharded above ``max_shard_size``) and,
+    with ``tokenizer`` = (tokenizer.json text, end-of-document token, its id), the tokenizer
+    files. ``sd``: the full state dict of the model ``m`` describes."""
+    fc = family_config(m, sd["tok_emb.weight"].shape[0])
     eot = tokenizer[2] if tokenizer else None
-    (out / CONFIG).write_text(json.dumps(gpt2_config(m, vocab, eot), indent=1))
+    config = hf_config_json(fc, m.max_positions, eot, eot)
+    write_hf_dir(out, hf_tensors(sd, fc), config, max_shard_size, {"allhands_step": str(step)})
     if tokenizer:
         text, token, _ = tokenizer
         (out / "tokenizer.json").write_text(text)
         (out / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token, "eos_token": token,
             "unk_token": token, "model_max_length": m.seq_len}, indent=1))
-
-
-def is_gpt2_dir(path: Path) -> bool:
-    return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
-
-
-def read_gpt2(path: Path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The allhands state dict of a transformers GPT-2 directory (``own``: the model's)."""
-    cfg = json.loads((path / CONFIG).read_text())
-    if cfg.get("model_type") != "gpt2" or cfg.get("activation_function", "gelu_new") != "gelu" \
-            or abs(cfg.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-        raise CheckpointError(f"checkpoint.init_from: {str(path)!r} is not a GPT-2 with exact gelu "
-                              f"and layer-norm eps 1e-5 (the reference GPT); pass a directory "
-                              f"written by `allhands export --format hf`")
-    return from_gpt2(load_file(str(path / WEIGHTS)), cfg["n_layer"], cfg["n_head"], own)
-

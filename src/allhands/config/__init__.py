@@ -1,10 +1,10 @@
-"""The typed config tree (tree.py) and its validation (validate.py and the per-section checks
-it calls), under one name."""
+"""The typed config tree (tree.py), its layers (layering.py: defaults < TOML < --set) and its
+validation (validate.py and the per-section checks it calls), under one name."""
 
 from allhands.config.tree import (CheckpointConfig, Config, DataConfig, FaultConfig, LogConfig,
                                   ModelConfig, OptimConfig, ParallelConfig, PSConfig, RunConfig,
-                                  SyncConfig,
-                                  apply_override, load_config, to_toml)
+                                  SyncConfig)
+from allhands.config.layering import apply_override, load_config, to_toml
 from allhands.config.layout_checks import (MESH_DIMS, PP_SCHEDULES, mesh_sizes, pp_microbatches,
                                            pp_stages_per_rank)
 from allhands.config.mode_checks import SYNC_MODES, replica_group_config, replica_group_size

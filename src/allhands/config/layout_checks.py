@@ -8,7 +8,7 @@ from allhands.config.tree import Config, ParallelConfig
 from allhands.errors import ConfigError
 
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def check_dims(p: ParallelConfig) -> None:
@@ -48,7 +48,9 @@ def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
     for v in given.values():
         fixed *= v if v != -1 else 1
     shown = " x ".join(f"{d}={v}" for d, v in (("dp_replicate", p.dp_replicate),
-                                                  ("dp_shard", p.dp_shard), ("tp", p.tp), ("pp", p.pp)))
+                                                  ("dp_shard", p.dp_shard),
+                                                  *((("cp", p.cp),) if p.cp != 1 else ()),
+                                                  ("tp", p.tp), ("pp", p.pp)))
     rest = [d for d, v in given.items() if v == -1]
     if rest:
         if world_size % fixed:
@@ -58,6 +60,8 @@ def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
     elif fixed != world_size:
         raise ConfigError(f"parallel: {shown} = {fixed}, but the job has {world_size} workers; "
                           f"make the product {world_size} or set one dim to -1")
+    if given["cp"] == 1:  # context parallelism is named only where it is used
+        del given["cp"]
     return given
 
 
@@ -84,7 +88,9 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     """Tensor/pipeline layouts the reference model and the batch cannot honour, caught before
     start instead of as a shape error or a hang inside a collective."""
     m, p, r = cfg.model, cfg.parallel, cfg.run
-    tp, pp = sizes["tp"], sizes["pp"]
+    tp, pp, cp = sizes["tp"], sizes["pp"], sizes.get("cp", 1)
+    if cp > 1:
+        check_cp(cfg, cp, tp, pp)
     if tp > 1:
         if tp > m.n_head:
             raise ConfigError(f"parallel.tp: {tp} is larger than model.n_head={m.n_head}; every tensor-"
@@ -92,7 +98,12 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
         if m.n_head % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.n_head={m.n_head}; heads are split "
                               f"evenly over tp ranks, use a divisor of {m.n_head}")
-        if p.zero < 2 and sizes["dp_replicate"] * sizes["dp_shard"] > 1:
+        kv = m.n_kv_head or m.n_head
+        if m.family == "llama" and kv % tp:
+            # each tp rank holds whole key/value heads with their query groups (parallel/tensor.py)
+            raise ConfigError(f"parallel.tp: {tp} does not divide model.n_kv_head={kv}; key/value heads are "
+                              f"split evenly over tp ranks, use a divisor of {kv}")
+        if p.zero < 2 and sizes["dp_replicate"] * sizes["dp_shard"] * cp > 1:
             raise ConfigError(f"parallel.zero: {p.zero} replicates over DDP, which cannot hold the tp-"
                               f"sharded (DTensor) parameters; with parallel.tp={tp} use parallel.zero=2 or 3 "
                               f"(FSDP composes with tp), or no data parallelism")
@@ -134,3 +145,23 @@ def check_tp_pp(cfg: Config, sizes: dict[str, int]) -> None:
     if p.pp_schedule == "interleaved1f1b" and mb % max(1, mb // pp):
         raise ConfigError(f"parallel.pp_microbatches: interleaved1f1b runs rounds of pp={pp} microbatches; "
                           f"{mb} is not a multiple of {max(1, mb // pp)} rounds, use a multiple of {pp}")
+
+
+def check_cp(cfg: Config, cp: int, tp: int, pp: int) -> None:
+    """Context parallelism cuts every sequence into 2 x cp chunks (parallel/context.py) and
+    masks attention over the gathered keys: the Llama family, no pipeline stages, lock-step."""
+    m, p = cfg.model, cfg.parallel
+    if m.family != "llama":
+        raise ConfigError(f"parallel.cp: {cp} needs model.family=llama (its attention takes the "
+                          f"positions and masks context parallelism gives it); got {m.family!r}")
+    if pp > 1:
+        raise ConfigError(f"parallel.cp: {cp} does not run with pipeline stages (parallel.pp={pp}) "
+                          f"yet; set one of them to 1")
+    if p.sync not in ("allreduce", "auto"):
+        raise ConfigError(f"parallel.cp: {cp} needs parallel.sync=allreduce (its ranks reduce one "
+                          f"gradient every step); got {p.sync!r}")
+    chunk = 2 * cp * (tp if p.tp_sequence_parallel and tp > 1 else 1)
+    if m.seq_len % chunk:
+        raise ConfigError(f"parallel.cp: {cp} cuts model.seq_len={m.seq_len} into 2 x cp"
+                          f"{' x tp' if chunk != 2 * cp else ''} = {chunk} equal chunks; use a "
+                          f"seq_len divisible by {chunk}")

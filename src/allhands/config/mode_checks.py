@@ -35,7 +35,7 @@ def check_replica(cfg: Config) -> None:
                           f"(one process per group) or 2/3 with dp_shard > 1 (FSDP inside a group), "
                           f"or fault.mode=restart")
     diloco = p.sync == "diloco"  # groups are its replicas (one process each, for now)
-    for name, value, plain in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1),
+    for name, value, plain in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.cp", p.cp, 1),
                                ("parallel.sync", p.sync, "diloco" if diloco else "allreduce"),
                                ("sync.compress", cfg.sync.compress, "none"),
                                ("parallel.dp_shard", p.dp_shard, 1 if diloco else p.dp_shard),
@@ -143,7 +143,7 @@ def check_ps(cfg: Config) -> None:
     check(q.row_init_std >= 0, "ps.row_init_std", "must be >= 0", q.row_init_std)
     # The servers hold the whole model as flat pieces and workers whole replicas: data
     # parallelism only.
-    for dim in ("pp", "tp", "dp_shard"):
+    for dim in ("pp", "tp", "cp", "dp_shard"):
         if getattr(p, dim) != 1:
             raise ConfigError(f"parallel.{dim}: {getattr(p, dim)} is not supported with parallel.sync=ps "
                               f"(servers shard the parameters, workers hold replicas); set parallel.{dim}=1")

@@ -1,29 +1,20 @@
 """The one typed config tree: defaults < TOML file < ``--set section.field=value``.
 
 Every field carries a one-line doc in ``field(metadata={"doc": ...})`` so that
-``allhands config show`` and docs/configuration.md can print it. This module holds the tree,
-its merging and its TOML form; validate.py checks the values.
+``allhands config show`` and docs/configuration.md can print it. This module holds the tree
+and the merging of values into it; layering.py reads TOML files and ``--set`` items into it and
+writes it back; validate.py checks the values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from allhands.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
-
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
@@ -34,15 +25,35 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    """The reference GPT decoder (ignored when the Python API is given its own model)."""
+    """The decoder a run trains: the reference GPT or the Llama family (ignored when the Python
+    API is given its own model; taken from config.json when checkpoint.init_from is a transformers
+    directory)."""
 
+    family: str = _f("gpt", "gpt (the reference GPT-2-style decoder) or llama (Llama 2/3, Mistral, Qwen2, Qwen3)")
+    preset: str = _f("", "a named shape, e.g. llama3-8b, qwen3-0.6b (docs/models.md); fields left at "
+                         "their default take the preset's value")
     n_layer: int = _f(4, "number of transformer blocks")
     n_head: int = _f(4, "attention heads per block")
-    n_embd: int = _f(128, "embedding width; must be divisible by n_head")
+    n_embd: int = _f(128, "embedding width; must be divisible by n_head unless head_dim is set")
+    n_kv_head: int = _f(0, "llama: key/value heads (grouped-query attention), dividing n_head; 0 = n_head")
+    head_dim: int = _f(0, "llama: width of one attention head; 0 = n_embd / n_head")
+    ffn_hidden: int = _f(0, "feed-forward width; 0 = 4 n_embd (gpt) or 8/3 n_embd rounded up to 64 (llama)")
+    norm_eps: float = _f(1e-5, "epsilon of the layer norms (gpt) or RMSNorms (llama), > 0")
+    activation: str = _f("gelu", "gpt: gelu (exact erf) or gelu_new (GPT-2's tanh approximation)")
+    rope_theta: float = _f(10000.0, "llama: RoPE base frequency, > 0")
+    rope_scaling: str = _f("", "llama: RoPE frequency scaling: empty (none) or llama3 (Llama 3.1+)")
+    rope_factor: float = _f(8.0, "llama: llama3 scaling factor, > 0")
+    rope_low_freq_factor: float = _f(1.0, "llama: llama3 scaling low_freq_factor, > 0")
+    rope_high_freq_factor: float = _f(4.0, "llama: llama3 scaling high_freq_factor, > low_freq_factor")
+    rope_original_seq_len: int = _f(8192, "llama: llama3 scaling original_max_position_embeddings, >= 1")
+    qkv_bias: bool = _f(False, "llama: bias on the q, k and v projections (Qwen2)")
+    qk_norm: bool = _f(False, "llama: RMSNorm over each query and key head (Qwen3)")
+    max_positions: int = _f(0, "positions the model is meant for, written as config.json's "
+                               "max_position_embeddings on export; 0 = seq_len")
     seq_len: int = _f(128, "context length in tokens (also the training sample length)")
     vocab_size: int = _f(0, "vocabulary size; 0 takes it from the dataset's tokenizer")
-    dropout: float = _f(0.0, "dropout probability in attention and MLP, in [0, 1)")
-    bias: bool = _f(True, "use bias in linear layers and layer norms")
+    dropout: float = _f(0.0, "gpt: dropout probability in attention and MLP, in [0, 1) (llama: 0)")
+    bias: bool = _f(True, "gpt: use bias in linear layers and layer norms (llama: see qkv_bias)")
     tie_embeddings: bool = _f(True, "share the token embedding with the output head (GPT-2), also across pp stages")
 
 
@@ -55,6 +66,10 @@ class DataConfig:
                       "(same tokenizer; instead of data.path)")
     seed: int = _f(1234, "seed of the sample order; the order is independent of the worker count")
     eval_batches: int = _f(4, "global eval batches drawn from the held-out split per evaluation")
+    packing: str = _f("concat", "how documents become rows: concat (windows of the token stream, "
+                                "across documents), mask (whole documents packed into rows, "
+                                "attention and positions kept inside each; model.family=llama), "
+                                "pad (one document a row)")
 
 
 @dataclass
@@ -83,10 +98,12 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MiB, > 0")
     backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     timeout_s: float = _f(300.0, "collective timeout in seconds, > 0")
-    # The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (torchtitan's ParallelDims
-    # order); the product of the four sizes is the world size, and at most one of them is -1.
+    # The mesh is (pp, dp_replicate, dp_shard, cp, tp), outermost first (torchtitan's ParallelDims
+    # order); the product of the sizes is the world size, and at most one of them is -1.
     dp_shard: int = _f(1, "data-parallel ranks that shard the training state (ZeRO/FSDP); -1 = the rest")
     tp: int = _f(1, "tensor-parallel degree; -1 = the rest of the workers")
+    cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence (the Llama "
+                    "family; keys and values all-gathered per layer); -1 = the rest of the workers")
     pp: int = _f(1, "pipeline-parallel stages; -1 = the rest of the workers")
     zero: int = _f(0, "ZeRO stage over dp_shard: 0 DDP, 1 optimizer state, 2 +gradients, 3 +parameters")
     ac: str = _f("none", "activation checkpointing: none, block (every block) or selective (save matmuls)")
@@ -144,7 +161,8 @@ class CheckpointConfig:
     interval: int = _f(100, "save every this many steps; 0 saves only at the end")
     keep_last: int = _f(2, "committed checkpoints to keep, >= 1")
     at_end: bool = _f(True, "save a checkpoint after the last step")
-    init_from: str = _f("", "start a new run from these weights (.safetensors from `allhands export`)")
+    init_from: str = _f("", "start a new run from these weights: .safetensors from `allhands export`, or a "
+                            "transformers directory, whose config.json then sets the model section")
 
     mode: str = _f("async", "async (only the copy to host memory blocks the step) or sync")
     max_overhead: float = _f(0.0, "0 = save every `interval` steps; > 0: save every smallest multiple "
@@ -186,6 +204,10 @@ class FaultConfig:
                                            "fails after this long (time for a host to come back), > 0")
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""The experiment trackers ``log.trackers`` may name (allhands/trackers.py)."""
+
+
 @dataclass
 class LogConfig:
     """What the run reports and where."""
@@ -194,7 +216,10 @@ class LogConfig:
     progress: bool = _f(True, "report progress on rank 0: a bar on a terminal, else plain lines")
     progress_s: float = _f(30.0, "when the output is not a terminal (a log file, a pipe): a plain "
                                  "progress line every this many seconds, >= 0; 0 disables")
-    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed; false leaves "
+                                 "tensorboard out of log.trackers")
+    trackers: list[str] = _f(["tensorboard"], "experiment trackers rank 0 logs to: tensorboard, wandb, "
+                                              "mlflow (a TOML list, or NAME,NAME in --set)")
 
 
 @dataclass
@@ -255,7 +280,14 @@ def _type_of(section: Any, name: str) -> type:
 
 
 def _coerce(value: Any, t: type, path: str) -> Any:
-    """Check a TOML value against the field type; ints are accepted for floats."""
+    """Check a TOML value against the field type; ints are accepted for floats, and a list of
+    strings is also accepted as one comma-separated string (``--set log.trackers=wandb,mlflow``)."""
+    if typing.get_origin(t) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{path}: expected a list of strings, got {type(value).__name__} {value!r}")
     if t is bool:
         if isinstance(value, bool):
             return value
@@ -285,76 +317,3 @@ def _merge(node: Any, d: Any, prefix: str) -> None:
             _merge(current, value, path + ".")
         else:
             setattr(node, key, _coerce(value, _type_of(node, key), path))
-
-
-def _parse_literal(raw: str) -> Any:
-    """Parse the right-hand side of ``--set`` as a TOML value, else take it as a string."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def apply_override(cfg: Config, item: str) -> None:
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.field=value, e.g. optim.lr=3e-4")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {item!r}: the key must be section.field, e.g. optim.lr")
-    section, name = parts
-    value = _parse_literal(raw.strip())
-    # A string field keeps exactly what was typed (a run name "1e3" stays a string).
-    node = getattr(cfg, section, None)
-    if dataclasses.is_dataclass(node) and name in {f.name for f in dataclasses.fields(node)}:
-        if _type_of(node, name) is str and not isinstance(value, str):
-            value = raw.strip()
-    _merge(cfg, {section: {name: value}}, "")
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults < TOML file < overrides, then validated. Raises ConfigError."""
-    cfg = Config()
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-        _merge(cfg, data, "")
-    for item in overrides:
-        apply_override(cfg, item)
-    return cfg
-
-
-# --------------------------------------------------------------------------- validation
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{s}"'
-
-
-def to_toml(cfg: Config, with_docs: bool = False) -> str:
-    """Render the tree as TOML that :func:`load_config` reads back to an equal Config."""
-    out: list[str] = []
-    for sec in dataclasses.fields(cfg):
-        node = getattr(cfg, sec.name)
-        if out:
-            out.append("")
-        out.append(f"[{sec.name}]")
-        for f in dataclasses.fields(node):
-            line = f"{f.name} = {_toml_value(getattr(node, f.name))}"
-            if with_docs:
-                line = f"{line:<34} # {f.metadata.get('doc', '')}"
-            out.append(line)
-    return "\n".join(out) + "\n"

@@ -1,9 +1,9 @@
 """Validating the config tree before any worker starts: every problem is a ConfigError whose
 message starts with the dotted path of the field and says what is allowed.
 
-One module per part of the tree: this one the model, optimizer, run, checkpoint, log and data
-sections and the order of the checks; layout_checks.py the parallel section (mesh, ZeRO, tp,
-pp); mode_checks.py the sync, ps and fault sections (how replicas reconcile, and recover)."""
+One module per part of the tree: this one the optimizer, run, checkpoint, log and data
+sections and the order of the checks; validate_model.py the model section; layout_checks.py the
+parallel section (mesh, ZeRO, tp, pp); mode_checks.py the sync, ps and fault sections (how replicas reconcile, and recover)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,15 @@ from pathlib import Path
 from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
-from allhands.config.tree import Config
+from allhands.config.tree import TRACKERS, Config
+from allhands.config.validate_model import validate_model
 from allhands.errors import ConfigError
 
 
 def validate(cfg: Config, world_size: int | None = None, need_data: bool = True) -> None:
     """Raise ConfigError for the first impossible value. ``world_size`` enables batch checks."""
     m, o, r, p, c, lg, d = cfg.model, cfg.optim, cfg.run, cfg.parallel, cfg.checkpoint, cfg.log, cfg.data
-    for name in ("n_layer", "n_head", "n_embd", "seq_len"):
-        check(getattr(m, name) >= 1, f"model.{name}", "must be >= 1", getattr(m, name))
-    check(m.n_embd % m.n_head == 0, "model.n_embd",
-           f"must be divisible by model.n_head={m.n_head}", m.n_embd)
-    check(m.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)", m.vocab_size)
-    check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)", m.dropout)
+    validate_model(m)
     check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]", o.min_lr_ratio)
     check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
@@ -48,9 +44,17 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check_fault(cfg.fault)
     check_replica(cfg)
     check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
+    for t in lg.trackers:
+        check(t in TRACKERS, "log.trackers", "allowed: " + ", ".join(TRACKERS), t)
     check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
     check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)
+    check(d.packing in ("concat", "mask", "pad"), "data.packing", "allowed: concat, mask, pad", d.packing)
+    if d.packing == "mask" and (m.family != "llama" or p.pp != 1):
+        raise ConfigError(f"data.packing: 'mask' needs the Llama family's document masks without "
+                          f"pipeline stages (a later stage sees no token ids to mask by); got "
+                          f"model.family={m.family!r}, parallel.pp={p.pp}: set model.family=llama "
+                          f"and parallel.pp=1, or data.packing=pad or concat")
     check(r.steps >= 1, "run.steps", "must be >= 1", r.steps)
     check(r.global_batch >= 1, "run.global_batch", "must be >= 1", r.global_batch)
     check(r.micro_batches >= 1, "run.micro_batches", "must be >= 1", r.micro_batches)

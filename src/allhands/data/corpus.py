@@ -28,8 +28,9 @@ from typing import Iterator
 
 from allhands.data.formats import (expand_inputs, is_jsonl, is_plain_jsonl, jsonl_blocks, jsonl_docs,
                                    jsonl_ranges, read_documents, read_range)
+from allhands.data.instruct import looks_instruct, prepare_instruct
 from allhands.data.shards import write_shards_from_files
-from allhands.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer,
+from allhands.data.tokenizer import (ByteTokenizer, HFTokenizer, load_tokenizer, store_tokenizer,
                                      tokenizer_info, train_bpe)
 from allhands.errors import DataError, cannot_write
 
@@ -150,12 +151,22 @@ class _Bar:
             self.bar.close()
 
 
-def prepare_corpus(inputs: list[str], out: str | os.PathLike, **kw) -> dict:
+def prepare_corpus(inputs: list[str], out: str | os.PathLike, *, format: str = "auto", **kw) -> dict:
     """Tokenize ``inputs`` (files, globs, directories) into shards in ``out``; returns meta (the
-    options: :func:`_prepare`). Bad input leaves no ``out`` that this call created; an interrupt
-    keeps it, so that the same command continues where it stopped."""
+    options: :func:`_prepare`). ``format``: ``text``, ``instruct`` (instruct.py) or ``auto``
+    (instruct when the first row has ``messages`` or ``prompt``). Bad input leaves no ``out``
+    that this call created; an interrupt keeps it, so that the same command continues where it
+    stopped (text only: instruction data is small enough to redo)."""
+    if kw.get("train_bpe_vocab") and kw.get("tokenizer", "byte") != "byte":
+        raise DataError("--train-tokenizer: trains a new tokenizer; drop --tokenizer or this option")
     created = not Path(out).exists()
     try:
+        if format == "instruct" or (format == "auto" and looks_instruct(inputs)):
+            if kw.get("train_bpe_vocab"):
+                raise DataError("--train-tokenizer: instruction data is tokenized with the model's "
+                                "tokenizer; pass --tokenizer HF_DIR instead")
+            return prepare_instruct(inputs, Path(out), tokenizer=kw.get("tokenizer", "byte"),
+                                    eot=kw.get("eot", ""), val_fraction=kw.get("val_fraction", 0.05))
         return _prepare(inputs, Path(out), **kw)
     except DataError:
         if created:
@@ -194,7 +205,7 @@ def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
               file=sys.stderr, flush=True)
 
     workers = workers or os.cpu_count() or 1
-    spec = ("byte",) if isinstance(tok, ByteTokenizer) else (str(tok.path), tok.eot_token)
+    spec = ("byte",) if isinstance(tok, ByteTokenizer) else (str(tok.dir or tok.path), tok.eot_token)
     bar = _Bar(sum(p.stat().st_size for p in files), progress)
     stats: dict[int, list[int]] = dict(done)
     pool = None
@@ -233,12 +244,21 @@ def _prepare(inputs: list[str], out: Path, *, tokenizer: str = "byte",
         raise DataError(f"inputs {' '.join(inputs)!r} hold no text (the corpus is empty); check "
                         f"--field and the files")
     info = tokenizer_info(tok)
-    if not isinstance(tok, ByteTokenizer):
-        shutil.copyfile(tok.path, out / TOKENIZER_FILE)
+    store_tokenizer(tok, out)
     chunks = [(work / f"chunk-{k:06d}.bin", stats[k][0]) for k in sorted(stats)]
     meta = write_shards_from_files(out, chunks, info, val_fraction, shard_tokens)
     shutil.rmtree(work, ignore_errors=True)
     return meta
+
+
+def wrote(meta: dict) -> str:
+    """What a prepared directory holds, for ``allhands prepare``'s last line."""
+    n = {k: sum(e["tokens"] for e in v) for k, v in meta["splits"].items()}
+    if meta.get("kind") != "instruct":
+        return f"{n['train']:,} train and {n['val']:,} val tokens"
+    ex = {k: sum(e["examples"] for e in v) for k, v in meta["splits"].items()}
+    return (f"{ex['train']:,} train and {ex['val']:,} val examples ({n['train'] + n['val']:,} "
+            f"tokens, loss on the responses)")
 
 
 def _pool(workers: int, spec: tuple):

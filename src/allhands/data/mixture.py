@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from allhands.config import Config, parse_mix
+from allhands.data.examples import valid_targets
 from allhands.data.shards import load_token_splits
 from allhands.errors import ConfigError, DataError
 
@@ -55,12 +56,20 @@ class MixtureDataset(torch.utils.data.Dataset):
         s, j = self.source_of(i)
         return self.sources[s][j]
 
+    @property
+    def masked_targets(self) -> bool:
+        """Whether a source has a loss mask (instruction examples): see job.TokenMeanLoss."""
+        return any(getattr(s, "masked_targets", False) for s in self.sources)
+
+    def valid_targets(self, indices: list[int]) -> int:
+        return sum(valid_targets(self.sources[s], [j]) for s, j in map(self.source_of, indices))
+
 
 def load_training_data(cfg: Config):
     """(train, val, vocab_size) of ``data.path`` or ``data.mix``."""
     d = cfg.data
     entries = parse_mix(d.mix) if d.mix else [(d.path, 1.0)]
-    loaded = [load_token_splits(path, cfg.model.seq_len) for path, _ in entries]
+    loaded = [load_token_splits(path, cfg.model.seq_len, d.packing) for path, _ in entries]
     ids = [meta.get("tokenizer_id", meta["tokenizer"]) for _, _, meta in loaded]
     for (path, _), tid in zip(entries, ids):
         if tid != ids[0]:

@@ -24,6 +24,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from allhands.data.examples import example_splits
+from allhands.data.packing import PackedDataset
 from allhands.data.tokenizer import ByteTokenizer, dtype_for, tokenizer_info
 from allhands.errors import DataError, cannot_write
 
@@ -160,6 +162,16 @@ def prepare_embedded(out: str | os.PathLike) -> Path:
     return out
 
 
+def _check_files(files: list[tuple[Path, int]], dtype: np.dtype) -> None:
+    for path, n_tokens in files:
+        if not path.is_file():
+            raise DataError(f"token shard {str(path)!r} is missing; re-run `allhands prepare`")
+        size = path.stat().st_size
+        if size != n_tokens * np.dtype(dtype).itemsize:
+            raise DataError(f"token shard {str(path)!r} has {size} bytes, meta.json says "
+                            f"{n_tokens} tokens; the data is truncated, re-run `allhands prepare`")
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Map-style dataset of non-overlapping ``seq_len + 1`` windows over memmapped shards."""
 
@@ -167,13 +179,8 @@ class TokenDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.maps = []
         self.offsets = [0]  # cumulative sample counts per shard
+        _check_files(files, dtype)
         for path, n_tokens in files:
-            if not path.is_file():
-                raise DataError(f"token shard {str(path)!r} is missing; re-run `allhands prepare`")
-            size = path.stat().st_size
-            if size != n_tokens * np.dtype(dtype).itemsize:
-                raise DataError(f"token shard {str(path)!r} has {size} bytes, meta.json says "
-                                f"{n_tokens} tokens; the data is truncated, re-run `allhands prepare`")
             n_samples = (n_tokens - 1) // seq_len if n_tokens > seq_len else 0
             if n_samples:
                 self.maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,)))
@@ -206,15 +213,25 @@ def load_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def load_token_splits(path: str | os.PathLike, seq_len: int) -> tuple[TokenDataset, TokenDataset, dict]:
-    """(train, val, meta) datasets of a prepared directory."""
+def load_token_splits(path: str | os.PathLike, seq_len: int,
+                      packing: str = "concat") -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, dict]:
+    """(train, val, meta) datasets of a prepared directory: windows of the token stream
+    (``concat``), rows of whole documents (``mask``, ``pad``: data/packing.py), or instruction
+    examples (examples.ExampleDataset) where meta.json says ``"kind": "instruct"``."""
     meta = load_meta(path)
     dtype = DTYPES[meta["dtype"]]
     root = Path(path)
+    if meta.get("kind") == "instruct":  # whole examples with a loss mask: examples.py
+        train, val = example_splits(root, meta, dtype, seq_len)
+        return train, val, meta
     splits = []
     for split in ("train", "val"):
         files = [(root / e["file"], int(e["tokens"])) for e in meta["splits"].get(split, [])]
-        ds = TokenDataset(files, dtype, seq_len)
+        if packing == "concat":
+            ds = TokenDataset(files, dtype, seq_len)
+        else:
+            _check_files(files, dtype)
+            ds = PackedDataset(files, dtype, seq_len, int(meta["eot"]), packing)
         if len(ds) == 0:
             raise DataError(f"{split} split of {str(root)!r} holds no window of seq_len+1="
                             f"{seq_len + 1} tokens; give more text or a smaller model.seq_len")

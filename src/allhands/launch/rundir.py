@@ -1,5 +1,6 @@
 """The run directory: validate the config, choose or reuse ``RUN_DIR``, write
-``config.resolved.toml``, and find the data (the embedded corpus by default)."""
+``config.resolved.toml``, find the data (the embedded corpus by default), and check and settle
+the experiment trackers' environment before any worker starts."""
 
 from __future__ import annotations
 
@@ -15,14 +16,26 @@ from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
 from allhands.errors import AllhandsError, ConfigError, cannot_write
 from allhands.jobcheck import check_token_data
+from allhands.models.resolve import resolve_model
 from allhands.safefs import owner_problem, write_private
+from allhands.trackers import not_installed, selected, tracker_environment
 
 
 def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
                 write: bool = True) -> Config:
     """Validate, settle the run directory and data path; ``write`` creates the directory and
-    config.resolved.toml (the launcher, or rank 0 of a launched script)."""
+    config.resolved.toml (the launcher, or rank 0 of a launched script). The model section is
+    settled first (a preset's shape, a transformers directory's config.json), so the resolved
+    config builds the same model on resume."""
+    cfg = resolve_model(cfg)
     validate(cfg, world_size=world_size)
+    trackers = selected(cfg.log.trackers, cfg.log.tensorboard)
+    missing = not_installed(trackers)
+    if missing:
+        raise ConfigError(missing)
+    for line in tracker_environment(trackers, os.environ):  # the workers inherit it
+        if write:
+            print(line, file=sys.stderr, flush=True)
     cfg = Config.from_dict(cfg.to_dict())
     if multi_node and not (resume or cfg.run.dir):
         raise ConfigError("run.dir: a multi-node job needs one run directory on a filesystem every "

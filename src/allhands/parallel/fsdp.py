@@ -30,17 +30,19 @@ from allhands.mesh import Mesh
 def apply_fsdp(model: nn.Module, mesh: Mesh, *, blocks: list[nn.Module], reshard_after_forward: bool,
                hybrid: bool = True, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """Shard ``model`` in place over ``dp_shard`` (and replicate over ``dp_replicate`` when
+    """Shard ``model`` in place over ``dp_shard`` (with the cp ranks under context parallelism:
+    they hold the same parameters) (and replicate over ``dp_replicate`` when
     ``hybrid`` and that dim is > 1); returns the same module, now an ``FSDPModule``.
 
     ``param_dtype``/``reduce_dtype``: FSDP2's MixedPrecisionPolicy. The sharded parameters and
     the optimizer state stay fp32; forward/backward run in ``param_dtype`` and gradients are
     reduced in ``reduce_dtype`` (fp32 keeps the sum of N bf16 gradients from losing bits).
     """
+    shard = mesh.grad_dim(replicate=False)  # dp_shard, or dp_shard x cp under context parallel
     if hybrid and mesh.size("dp_replicate") > 1:
-        dmesh = mesh.submesh("dp_replicate", "dp_shard")
+        dmesh = mesh.submesh("dp_replicate", shard)
     else:
-        dmesh = mesh.submesh("dp_shard")
+        dmesh = mesh.submesh(shard)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)

@@ -23,6 +23,7 @@ from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.memory import log_memory, state_bytes
 from allhands.mesh import Mesh
 from allhands.optim import build_optimizer
+from allhands.parallel.context import ContextParallel
 from allhands.parallel.parallelize import clip_grad_norm, parallelize
 from allhands.parallel.pipeline import Pipeline, build_pipeline, clip_grads, global_grad_norm
 from allhands.parallel.zero1 import apply_zero1, optimizer_for_checkpoint
@@ -75,6 +76,7 @@ class Layout:
     zero: int
     precision: Precision
     pipeline: Pipeline | None = None
+    cp: ContextParallel | None = None  # parallel.cp > 1: this rank's part of every sequence
 
     @property
     def replica_dim(self) -> str:
@@ -83,7 +85,13 @@ class Layout:
     @property
     def reports_loss(self) -> bool:
         """This rank holds the loss (last pipeline stage) and is the one of its tp group to report it."""
-        return (self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
+        return ((self.pipeline is None or self.pipeline.has_last) and self.mesh.local_rank("tp") == 0
+                and self.mesh.local_rank("cp") == 0)
+
+    def loss_splits(self) -> int:
+        """Into how many loss calls this layout cuts each micro-batch: the pipeline's
+        microbatches, times the cp ranks that each hold a part of every sample."""
+        return (self.pipeline.n_microbatches if self.pipeline is not None else 1) * self.mesh.size("cp")
 
     def autocast(self) -> ContextManager:
         """The context forward/backward and evaluation run in (bf16 autocast or nothing)."""
@@ -100,11 +108,16 @@ class Layout:
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
-        loss = self.loss_fn(self.model(x), y) * scale
+        if self.cp is not None:  # this rank's part of each sequence, attention over all of it
+            x, y, kw = self.cp.shard(x, y)
+            with self.cp.attention():
+                loss = self.loss_fn(self.model(x, **kw), y) * scale
+        else:
+            loss = self.loss_fn(self.model(x), y) * scale
         if on_loss is not None:
             loss = on_loss(loss)
         loss.backward()
-        return loss.detach()
+        return loss.detach() if self.cp is None else self.cp.mean(loss)
 
     def after_backward(self) -> None:
         """After the step's last backward: tied copies on different stages sum their gradients."""
@@ -127,6 +140,10 @@ class Layout:
         """The unscaled loss of one batch without gradients (None on a rank without the last stage)."""
         if self.pipeline is not None:
             return self.pipeline.eval(x, y)
+        if self.cp is not None:
+            x, y, kw = self.cp.shard(x, y)
+            with self.cp.attention():
+                return self.cp.mean(self.loss_fn(self.parts[0](x, **kw), y))
         return self.loss_fn(self.parts[0](x), y)
 
     def train(self) -> None:
@@ -155,9 +172,13 @@ class Layout:
 
 
 def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrategy,
-                 loss_fn: LossFn, tp_plan: Any = None) -> Layout:
+                 loss_fn: LossFn, tp_plan: Any = None,
+                 load: Callable[[nn.Module], Any] | None = None) -> Layout:
     """Cut ``model`` (whole, on ``mesh.device``, initialised alike on every rank) for this rank
-    and build its optimizer. Under pp the unsplit ``model`` is not trained; the caller drops it."""
+    and build its optimizer. Under pp the unsplit ``model`` is not trained; the caller drops it.
+    ``load(part)``: fills each cut part's weights (this rank's stage, its DTensor shards) after
+    parallelize and before the strategy wraps it, so a strategy's snapshot (DiLoCo's anchor)
+    holds the loaded weights."""
     p = cfg.parallel
     prec = choose_precision(cfg.run.precision, mesh.device.type, p.zero, p.reduce_dtype)
     pipeline = None
@@ -171,18 +192,25 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
             split_points=[s.strip() for s in p.pp_split.split(",")] if p.pp_split else None,
             tied_group=mesh.pp_ends_group() if mesh.size("pp") > 2 else None)
         parts = pipeline.modules
-    wrapped = [strategy.wrap(
-        parallelize(part, mesh, zero=p.zero, ac=p.ac, bucket_mb=p.bucket_mb,
-                    param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
-                    replicate=not strategy.reconciles_replicas,
-                    sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
-                    pipeline_stage=pipeline is not None, compile=cfg.run.compile), mesh)
-        for part in parts]
+    def cut(part: nn.Module) -> nn.Module:
+        out = parallelize(part, mesh, zero=p.zero, ac=p.ac, bucket_mb=p.bucket_mb,
+                          param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
+                          replicate=not strategy.reconciles_replicas,
+                          sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
+                          pipeline_stage=pipeline is not None, compile=cfg.run.compile)
+        if load is not None:
+            load(part)  # parallelized in place: its parameters are this rank's (DTensor) shards
+        return strategy.wrap(out, mesh)
+
+    wrapped = [cut(part) for part in parts]
     if pipeline is not None:
         pipeline.modules = wrapped
         pipeline.start(mesh.device, loss_fn)
+    cp = None
+    if mesh.size("cp") > 1:  # the model masks documents by this token (data.packing=mask)
+        cp = ContextParallel(mesh, doc_token=getattr(getattr(model, "cfg", None), "doc_token", -1))
     optimizer = build_optimizer(parts, cfg)
     if p.zero == 1:
         optimizer = apply_zero1(optimizer, mesh)
     return Layout(parts, wrapped[0] if len(wrapped) == 1 else wrapped, optimizer, mesh, loss_fn,
-                  p.zero, prec, pipeline)
+                  p.zero, prec, pipeline, cp)

@@ -74,11 +74,11 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ())
         return apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,
                           hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    ranks = mesh.dp_size if replicate else mesh.size("dp_shard")
-    if ranks > 1:
+    over = mesh.grad_dim(replicate)  # dp (or dp_shard), with the cp ranks under context parallel
+    if mesh.size(over) > 1:
         if pipeline_stage:
-            return apply_replicate(model, mesh, over="dp" if replicate else "dp_shard")
-        return apply_ddp(model, mesh, bucket_mb=bucket_mb, over="dp" if replicate else "dp_shard")
+            return apply_replicate(model, mesh, over=over)
+        return apply_ddp(model, mesh, bucket_mb=bucket_mb, over=over)
     return model
 
 

@@ -3,7 +3,7 @@
 Split (torchtitan's manual split). A model is a sequence of *units*: its top-level children in
 registration order, with ``nn.ModuleList`` / ``nn.ModuleDict`` children expanded into their
 entries (GPT: ``tok_emb, pos_emb, drop, blocks.0 .. blocks.L-1, ln_f, lm_head``). Split points
-are the FQNs of the units that begin stages 1, 2, ...; the reference GPT computes balanced
+are the FQNs of the units that begin stages 1, 2, ...; the shipped families (GPT, Llama) compute balanced
 ones (:func:`balanced_split`), a user model names them (``parallel.pp_split``). A stage
 is a deep copy of the whole model with every unit of the other stages deleted: an attribute
 becomes ``None`` and a container entry (also a top-level ``nn.Sequential``'s) is removed *by
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from allhands.models import GPT
+from allhands.models import GPT, Llama
 from allhands.parallel.tensor import _tied_groups
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")  # torch's Schedule{GPipe,1F1B,Interleaved1F1B}
@@ -255,7 +255,7 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     """Cut ``model`` into ``pp_size * stages_per_rank`` stages and keep this rank's.
 
     ``split_points``: FQNs of the units that begin stages 1.. (None: the model's own
-    ``pipeline_split_points(n_stages)``; a GPT's default: :func:`balanced_split`). ``tied_group``: the group of the ranks holding the
+    ``pipeline_split_points(n_stages)``; a GPT's or Llama's default: :func:`balanced_split`). ``tied_group``: the group of the ranks holding the
     first and the last stage (None: ``group``, which is exactly those two ranks when pp=2).
     """
     if schedule not in SCHEDULES:
@@ -266,7 +266,7 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     n_stages = pp_size * stages_per_rank
     if split_points is None:
         auto = getattr(model, "pipeline_split_points", None)
-        if auto is None and isinstance(model, GPT):  # the reference GPT: equal blocks per stage
+        if auto is None and isinstance(model, (GPT, Llama)):  # a shipped family: equal blocks per stage
             auto = lambda n: balanced_split(len(model.blocks), n)  # noqa: E731
         if auto is None:
             raise ValueError(f"parallel.pp_split: the model {type(model).__name__} has no automatic "

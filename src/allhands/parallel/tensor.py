@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) on DTensor's ``parallelize_module``.
 
 A plan maps module FQNs to DTensor parallel styles. The reference GPT's is :func:`gpt_tp_plan`
-(modelled on torchtitan's ``models/llama3/parallelize.py``); a user model can define a ``tp_plan(sequence_parallel: bool) -> dict`` method the same way, or pass ``plan=`` here
+(modelled on torchtitan's ``models/llama3/parallelize.py``), the Llama family's
+:func:`llama_tp_plan` (``FAMILY_PLANS`` picks one by model class); a user model can define a ``tp_plan(sequence_parallel: bool) -> dict`` method the same way, or pass ``plan=`` here
 (``allhands.train(..., tp_plan=...)``). Per block, with tp ranks and sequence parallel on
 (Korthikanti et al. 2022), the residual stream between modules is a local ``(B, T/tp, C)``:
 
@@ -28,7 +29,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import distribute_module
 
-from allhands.models import GPT
+from allhands.models import GPT, Llama
 
 TPPlan = dict[str, ParallelStyle]
 PlanFn = Callable[[nn.Module, bool], TPPlan]
@@ -121,13 +122,69 @@ def gpt_tp_plan(model: GPT, sequence_parallel: bool = True) -> TPPlan:
     return plan
 
 
+def llama_tp_plan(model: Llama, sequence_parallel: bool = True) -> TPPlan:
+    """The Llama family's plan (torchtitan's ``models/llama3`` and ``models/qwen3`` parallelize).
+
+    Per block, with sequence parallel on: attn_norm/mlp_norm SequenceParallel over T; q/k/v
+    column-wise, so each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value
+    heads (whole grouped-query groups: tp must divide ``n_kv_heads``, checked before start),
+    outputs ``(B, T, heads/tp * hd)``; o_proj row-wise with a reduce-scatter over T; gate/up
+    column-wise ``(B, T, H/tp)``, down row-wise. Qwen3's q_norm/k_norm act on each local head
+    ``(B, T, heads/tp, hd)``: a SequenceParallel over the head dim (2) makes their weight a
+    replicated DTensor whose gradient, a partial sum over each rank's heads, is reduced over
+    tp like the other norms' (torchtitan's qwen3 does the same). The RoPE tables are plain
+    buffers of the root: each block gets the full ``(T, hd)`` cos/sin, since attention runs on
+    the all-gathered sequence. ``model`` may be a pipeline stage: absent parts are left out."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+
+    def norm(dim: int = 1) -> ParallelStyle:
+        return SequenceParallel(sequence_dim=dim) if sp else ReplicateParallel(use_local_output=False)
+
+    plan: dict = {}
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    for name, block in model.blocks.items():
+        b = f"blocks.{name}"
+        # (x, cos, sin): only the hidden state is redistributed; the RoPE tables pass through
+        # attention's inputs: x, and the RoPE tables and the document mask (or None), left as they are
+        gather = PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                    desired_input_layouts=(Replicate(), None, None, None))
+        plan.update({
+            f"{b}.attn_norm": norm(),
+            f"{b}.attn": gather,
+            f"{b}.attn.q_proj": ColwiseParallel(),
+            f"{b}.attn.k_proj": ColwiseParallel(),
+            f"{b}.attn.v_proj": ColwiseParallel(),
+            f"{b}.attn.o_proj": RowwiseParallel(output_layouts=seq),
+            f"{b}.mlp_norm": norm(),
+            f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            f"{b}.mlp.gate_proj": ColwiseParallel(),
+            f"{b}.mlp.up_proj": ColwiseParallel(),
+            f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        })
+        if block.attn.q_norm is not None:
+            # local heads in, local heads out: the local (B, T, heads/tp, hd) is Shard(2)
+            plan[f"{b}.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan[f"{b}.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if getattr(model, "lm_head", None) is not None:
+        plan["norm"] = norm()
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    return plan
+
+
+# The default plan of each model class allhands ships (a model's own tp_plan method wins).
+FAMILY_PLANS: dict[type, PlanFn] = {GPT: gpt_tp_plan, Llama: llama_tp_plan}
+
+
 def resolve_plan(model: nn.Module, plan: TPPlan | PlanFn | None, sequence_parallel: bool) -> TPPlan:
     """The plan to use: an explicit dict, a callable ``(model, sequence_parallel)``, or the
-    model's own ``tp_plan(sequence_parallel)`` method (a GPT's default: :func:`gpt_tp_plan`)."""
+    model's own ``tp_plan(sequence_parallel)`` method (a shipped family's default: ``FAMILY_PLANS``)."""
     if plan is None:
         own = getattr(model, "tp_plan", None)
-        if own is None and isinstance(model, GPT):
-            return gpt_tp_plan(model, sequence_parallel)
+        family = next((fn for cls, fn in FAMILY_PLANS.items() if isinstance(model, cls)), None)
+        if own is None and family is not None:
+            return family(model, sequence_parallel)
         if own is None:
             raise ValueError(f"parallel.tp: the model {type(model).__name__} has no tensor-parallel "
                              "plan; give it a tp_plan(sequence_parallel) method or pass "

@@ -1,4 +1,5 @@
-"""Per-rank memory and step time of one layout of the reference GPT on one cluster.
+"""Per-rank memory and step time of one layout of a shipped decoder (the reference GPT or the
+Llama family, whose shapes decoder.py prices) on one cluster.
 
 Memory, counted the way allhands measures it (memory.py): training state from the parameters
 each rank holds (tp shards, its pipeline stage's blocks, 1/N under ZeRO; the ZeRO formulas,
@@ -19,12 +20,13 @@ communication that backward/forward cannot hide, and the 1F1B bubble (pp - 1) mi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 from allhands.config import Config
-from allhands.flops import gpt_flops_per_token
 from allhands.plan.cluster import Cluster
+from allhands.plan.decoder import Decoder
 from allhands.plan.localtime import PARTIAL_REDUCES, local_step, partial_grad_tensors
 
 # Values kept per block per token per C (see the docstring), by parallel.ac. Without recomputation,
@@ -55,6 +57,7 @@ class Layout:
     microbatches: int = 1  # pipeline microbatches (1 without pp)
     ac: str = "none"
     compile: bool = False
+    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
 
     @property
     def dp(self) -> int:
@@ -62,19 +65,30 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    def grad_view(self) -> "Layout":
+        """The layout as its gradient reduction sees it: the cp ranks of a group hold the same
+        parameters, so they join the data-parallel ranks (FSDP shards over dp_shard x cp)."""
+        if self.cp == 1:
+            return self
+        if self.zero >= 1:
+            return dataclasses.replace(self, dp_shard=self.dp_shard * self.cp, cp=1)
+        return dataclasses.replace(self, dp_replicate=self.dp_replicate * self.cp, cp=1)
 
     def overrides(self) -> list[str]:
         """The ``--set`` items that train this layout."""
         return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
                 f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.zero={self.zero}",
                 f"parallel.pp_microbatches={self.microbatches if self.pp > 1 else 0}",
-                f"parallel.ac={self.ac}", f"run.compile={str(self.compile).lower()}"]
+                f"parallel.ac={self.ac}", f"run.compile={str(self.compile).lower()}",
+                f"parallel.cp={self.cp}"]
 
     def name(self) -> str:
         parts = [f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_shard > 1 and self.dp_replicate > 1
                  else f"dp{self.dp}", f"zero{self.zero}"]
         parts += [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"pp{self.pp}/m{self.microbatches}"] if self.pp > 1 else []
         parts += [f"ac:{self.ac}"] if self.ac != "none" else []
         parts += ["compile"] if self.compile else []
@@ -103,23 +117,17 @@ def _stage_blocks(n_layer: int, pp: int) -> list[int]:
 
 def stage_params(cfg: Config, pp: int, tp: int, stage: int) -> tuple[int, int]:
     """(parameters this rank holds before data-parallel sharding, their tensor count) on pipeline
-    stage ``stage``: tp shards qkv/fc column-wise with their biases, the projections row-wise,
-    the embedding and head over the vocabulary; norms, position embedding and row biases are
-    replicated (parallel/tensor.py's plan)."""
-    m = cfg.model
-    c, v, b = m.n_embd, m.vocab_size or 257, int(m.bias)
-    blocks = _stage_blocks(m.n_layer, pp)[stage]
-    numel = blocks * ((12 * c * c + 7 * c * b) // tp + 2 * c + 4 * c * b)
-    tensors = blocks * (6 + 6 * b)
+    stage ``stage``: tp shards q/k/v (or qkv) and fc (or gate/up) column-wise with their biases,
+    the output projections row-wise, the embedding and head over the vocabulary; norms, position
+    embedding and row biases are replicated (parallel/tensor.py's plans; decoder.py)."""
+    d = Decoder.of(cfg.model)
+    blocks = _stage_blocks(d.n_layer, pp)[stage]
+    per, per_tensors = d.block_params(tp)
+    numel, tensors = blocks * per, blocks * per_tensors
     if stage == 0:
-        numel += v * c // tp + m.seq_len * c
-        tensors += 2
+        numel, tensors = numel + d.first_params(tp)[0], tensors + d.first_params(tp)[1]
     if stage == pp - 1:
-        numel += c + c * b
-        tensors += 1 + b
-        if not m.tie_embeddings or pp > 1:  # a separate head, or the tied copy on the last stage
-            numel += v * c // tp
-            tensors += 1
+        numel, tensors = numel + d.last_params(tp, pp)[0], tensors + d.last_params(tp, pp)[1]
     return numel, tensors
 
 
@@ -135,7 +143,7 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 
 def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
-    """Bandwidth a rank of a mesh dim's group gets. Mesh order is (pp, dp_replicate, dp_shard, tp),
+    """Bandwidth a rank of a mesh dim's group gets. Mesh order is (pp, dp_replicate, dp_shard, cp, tp),
     outermost first: a dim's stride is the product of the inner ones. Inside a node, the node's
     links. A group spanning nodes with k members on each node gets min(intra, k x inter): NCCL
     builds several rings (channels), each entering a node through one NIC, passing the node's GPUs
@@ -146,10 +154,10 @@ def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
     about selecting NET when searching channels"). With one member a node (a stride of a node or
     more, as HSDP's replicate dim or dp under tp=8) the group has that member's one NIC."""
     sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-             "tp": layout.tp}
+             "cp": layout.cp, "tp": layout.tp}
     order = list(sizes)
     if dim == "dp":  # dp_replicate x dp_shard, adjacent in the mesh
-        size, stride = layout.dp, layout.tp
+        size, stride = layout.dp, layout.tp * layout.cp
     else:
         size, stride = sizes[dim], 1
         for d in order[order.index(dim) + 1:]:
@@ -210,14 +218,17 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     not during it; a fused cross-entropy kernel that reads the bf16 logits and writes their bf16
     gradient, with no fp32 copy (flash-attn's ``flash_attn.losses.cross_entropy.CrossEntropyLoss``,
     which saves the logits and a log-sum-exp per row, llm-foundry's default ``loss_fn``)."""
-    m, r = cfg.model, cfg.run
-    c, t, v, tp, pp, n = m.n_embd, m.seq_len, m.vocab_size or 257, layout.tp, layout.pp, layout.dp_shard
-    est = Estimate(layout)
+    r, d = cfg.run, Decoder.of(cfg.model)
+    seq_layout, layout = layout, layout.grad_view()  # cp: sequences cut, parameters as dp's
+    cp = seq_layout.cp
+    c, t, v, tp, pp, n = d.c, d.t // cp, d.v, layout.tp, layout.pp, layout.dp_shard
+    est = Estimate(seq_layout)
     act_bytes = 2 if bf16 else 4
     adam = 8 if cfg.optim.name == "adamw" else 0
     # samples per forward on one rank: global batch / data-parallel ranks / accumulation / microbatches
-    mb = r.global_batch / (layout.dp * r.micro_batches * layout.microbatches)
-    blocks = _stage_blocks(m.n_layer, pp)
+    # (the cp ranks of a group share samples, each t = T / cp of their tokens)
+    mb = r.global_batch / (layout.dp / cp * r.micro_batches * layout.microbatches)
+    blocks = _stage_blocks(d.n_layer, pp)
     worst = None
     for stage in range(pp):
         numel, tensors = stage_params(cfg, pp, tp, stage)
@@ -225,15 +236,16 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
         state = train_state(layout, p, tensors, adam)
         est.state_rank.append(sum(state.values()))
         in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
-        per_token = _act_none(cfg, act_bytes) if layout.ac == "none" else ACT_PER_BLOCK[layout.ac]
+        table = {**ACT_PER_BLOCK, "none": _act_none(cfg, act_bytes)}
+        per_token = d.act_values(layout.ac, table)
         per_block = per_token * mb * t * c / tp * act_bytes
         acts = in_flight * blocks[stage] * per_block
         if layout.ac == "block":  # one block's intermediates live again during its recompute
-            acts += _act_none(cfg, act_bytes) * mb * t * c / tp * act_bytes
+            acts += d.act_values("none", table) * mb * t * c / tp * act_bytes
         if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient; fused: the
             # logits and their gradient, both in the activations' dtype
             acts += 3 * mb * t * v * 4 if loss == "fp32" else 2 * mb * t * v * act_bytes
-        block_params = 4.0 * (12 * c * c + 2 * c) / tp * (2 / 4 if bf16 and layout.zero >= 2 else 1)
+        block_params = 4.0 * d.block_params(tp)[0] * (2 / 4 if bf16 and layout.zero >= 2 else 1)
         gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
                     2: blocks[stage] * block_params, 3: 2 * block_params}[layout.zero]
         mem = {**state, "activations": acts, "buffers": gathered + cluster.runtime}
@@ -249,15 +261,18 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     # ---- time: the busiest stage (the first one holds the remainder blocks and the embedding)
     peak = cluster.peak(bf16)
     tokens_mb = mb * t
-    layer_flops = (gpt_flops_per_token(n_layer=1, n_embd=c, seq_len=t, vocab_size=0)) * tokens_mb / tp
+    layer_flops = d.flops_per_token(n_layer=1, head=False) * tokens_mb / tp
     head_flops = 6 * v * c * tokens_mb / tp
     stage_flops = max(blocks) * layer_flops + (head_flops if pp == 1 else head_flops / 2)
     recompute = max(blocks) * layer_flops / 3 if layout.ac == "block" else 0.0
-    ew = EW_PASSES[layout.compile] * tokens_mb * c / tp * act_bytes * max(blocks) / cluster.mem_bw
-    ops = (OPS_PER_BLOCK[layout.compile] * max(blocks) + 30) * cluster.op_overhead
+    # the passes were counted on the GPT's element-wise widths (8 C a block); a family's scale with its own
+    ew = EW_PASSES[layout.compile] * d.ew_width() / 8 * tokens_mb * c / tp * act_bytes * max(blocks) \
+        / cluster.mem_bw
+    eager = d.eager_ops() if not layout.compile else 1.0
+    ops = (OPS_PER_BLOCK[layout.compile] * eager * max(blocks) + 30) * cluster.op_overhead
     if attention == "materialized":  # element-wise passes over (mb, heads, T, T) per block
         passes = SCORE_PASSES + (SCORE_PASSES_FWD if layout.ac == "block" else 0.0)
-        ew += passes * mb * (m.n_head // tp) * t * t * act_bytes * max(blocks) / cluster.mem_bw
+        ew += passes * mb * (d.n_head // tp) * t * t * act_bytes * max(blocks) / cluster.mem_bw
     t_mb = (stage_flops + recompute) / (peak * cluster.gemm_eff) + ew + ops
     compute = r.micro_batches * layout.microbatches * t_mb
     bubble = r.micro_batches * (pp - 1) * t_mb
@@ -271,6 +286,11 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of (B, T, C) per block forward, as many backward
         per = _ring("allgather", tokens_mb * c * act_bytes, tp) / _bw(cluster, layout, "tp") + lat
         tp_comm = r.micro_batches * layout.microbatches * max(blocks) * 8 * per
+    cp_comm = 0.0
+    if cp > 1:  # keys and values all-gathered per block forward, reduce-scattered backward
+        kv_bytes = 2 * tokens_mb * cp * d.n_kv * d.hd * act_bytes
+        cp_comm = r.micro_batches * layout.microbatches * max(blocks) * 2 * (
+            lat + _ring("allgather", kv_bytes, cp) / _bw(cluster, seq_layout, "cp"))
     pp_comm = 0.0
     if pp > 1:  # activations forward, their gradients backward, per microbatch and stage boundary
         pp_comm = r.micro_batches * layout.microbatches * 2 * (
@@ -280,15 +300,15 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     if tp > 1:  # each Partial gradient all-reduced by every op that reads it: NCCL's latency a call
         optim += PARTIAL_REDUCES * partial_grad_tensors(cfg, max(blocks), pp == 1) * (
             lat + _ring("allreduce", 4.0 * c, tp) / _bw(cluster, layout, "tp"))
-    step = compute + bubble + exposed + tp_comm + pp_comm + optim
-    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + pp_comm,
-                "comm_exposed": exposed + tp_comm + pp_comm, "optimizer": optim, "step": step}
-    if cluster.calib:  # this machine: composed from its calibration (localtime.py)
+    step = compute + bubble + exposed + tp_comm + cp_comm + pp_comm + optim
+    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + cp_comm + pp_comm,
+                "comm_exposed": exposed + tp_comm + cp_comm + pp_comm, "optimizer": optim, "step": step}
+    if cluster.calib and cp == 1:  # this machine: composed from its calibration (localtime.py)
         shape = [stage_params(cfg, pp, tp, s) for s in range(pp)]
         est.time = local_step(cfg, layout, cluster.calib, blocks=blocks, numel=[x[0] for x in shape],
                               tensors=[x[1] for x in shape], threads=_threads(cluster))
         step = est.time["step"]
-    flops_step = gpt_flops_per_token(n_layer=m.n_layer, n_embd=c, seq_len=t, vocab_size=v) * t * r.global_batch
-    est.tokens_per_s = r.global_batch * t / step
-    est.mfu = flops_step / step / (peak * layout.world)
+    flops_step = d.flops_per_token() * d.t * r.global_batch
+    est.tokens_per_s = r.global_batch * d.t / step
+    est.mfu = flops_step / step / (peak * seq_layout.world)
     return est

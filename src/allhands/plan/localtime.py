@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from allhands.config import Config
 from allhands.env import cache_dir
 from allhands.flops import _cpu_name
+from allhands.plan.decoder import Decoder
 
 DDP_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 # What calibrate.py's figures mean; a cache made by another method is measured again. 2: the
@@ -70,15 +71,12 @@ PARTIAL_REDUCES = 4  # all-reduces of each Partial gradient a step (partial_grad
 
 def partial_grad_tensors(cfg: Config, blocks: int, last: bool) -> int:
     """Parameters of a pipeline stage whose gradient is a Partial DTensor after backward under
-    sequence-parallel TP (parallel/tensor.py's plan): the SequenceParallel norms' weights and
-    biases (two norms a block, ``ln_f`` on the last stage), whose inputs are sharded over the
-    sequence, so each rank holds a partial sum of their gradients. DTensor all-reduces each
-    such gradient in every op that reads it, and does not keep the result: the norm for clipping,
-    AdamW's ``lerp_(grad)`` and ``addcmul_(grad, grad)`` (torch/optim/adam.py), four a step."""
-    if not cfg.parallel.tp_sequence_parallel:
-        return 0
-    b = int(cfg.model.bias)
-    return (2 * blocks + last) * (1 + b)
+    TP (parallel/tensor.py's plans; decoder.py counts them): the sequence-parallel norms'
+    weights and biases, whose inputs are sharded over the sequence (Qwen3's per-head q/k norms,
+    over the heads), so each rank holds a partial sum of their gradients. DTensor all-reduces
+    each such gradient in every op that reads it, and does not keep the result: the norm for
+    clipping, AdamW's ``lerp_(grad)`` and ``addcmul_(grad, grad)`` (torch/optim/adam.py), four a step."""
+    return Decoder.of(cfg.model).partial_grads(blocks, last, cfg.parallel.tp_sequence_parallel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,21 +134,21 @@ def _op_seconds(op: str, shape: tuple[int, ...], threads: int) -> float:
 
 
 def kernel_seconds(cfg: Config, samples: float, tp: int, blocks: int, head: bool, threads: int = 0) -> float:
-    """Seconds of one forward + backward of ``blocks`` reference-GPT blocks (and the vocabulary
-    head when ``head``) over ``samples`` sequences, sharded ``tp`` ways, in their matmuls and the
-    kernels that scale with the activations (attention, GELU, two norms; _op_seconds), each timed
-    at its own shape."""
-    m = cfg.model
+    """Seconds of one forward + backward of ``blocks`` blocks of the model (and the vocabulary
+    head when ``head``) over ``samples`` sequences, sharded ``tp`` ways, in their matmuls
+    (decoder.py's list) and the kernels that scale with the activations (attention, the
+    feed-forward's activation, two norms; _op_seconds), each timed at its own shape. A Llama
+    block's SiLU and RMSNorm are timed as GELU and LayerNorm, kernels of the same passes."""
+    d = Decoder.of(cfg.model)
     threads = threads or max(1, torch.get_num_threads())
-    c, t, v = m.n_embd, m.seq_len, m.vocab_size or 257
-    rows = max(1, int(samples * t))
+    rows = max(1, int(samples * d.t))
     norm_rows = max(1, rows // tp) if tp > 1 and cfg.parallel.tp_sequence_parallel else rows
-    block = (_train_mm(rows, c, 3 * c // tp, threads) + _train_mm(rows, c // tp, c, threads)
-             + _train_mm(rows, c, 4 * c // tp, threads) + _train_mm(rows, 4 * c // tp, c, threads)
-             + _op_seconds("attention", (max(1, int(samples)), max(1, m.n_head // tp), t, c // m.n_head), threads)
-             + _op_seconds("gelu", (rows, 4 * c // tp), threads)
-             + 2 * _op_seconds("layernorm", (norm_rows, c), threads))
-    return blocks * block + (_train_mm(rows, c, v // tp, threads) if head else 0.0)
+    block = sum(_train_mm(rows, i // (1 if col else tp), o // tp if col else o, threads)
+                for i, o, col in d.matmuls())
+    block += (_op_seconds("attention", (max(1, int(samples)), max(1, d.n_head // tp), d.t, d.hd), threads)
+              + _op_seconds("gelu", (rows, d.ffn // tp), threads) * (2 if d.llama else 1)
+              + 2 * _op_seconds("layernorm", (norm_rows, d.c), threads))
+    return blocks * block + (_train_mm(rows, d.c, d.v // tp, threads) if head else 0.0)
 
 
 def _coll(cal: dict, op: str, nbytes: float, calls: float = 1.0) -> float:
@@ -173,10 +171,9 @@ def local_step(cfg: Config, layout, cal: dict, *, blocks: list[int], numel: list
         t_mb *= cal["contention"] if layout.world > 1 else 1.0
         if pp > 1:  # the schedule's own cost per microbatch (P2P, stage bookkeeping)
             t_mb += cal["pp_microbatch"]
-        if tp > 1:  # parallel/tensor.py's plan: 6 parallelized modules a block (ln1, qkv, proj,
-            # ln2, fc, proj), on stage 0 tok_emb and pos_emb, on the last ln_f and lm_head; bytes
-            # of the sequence-parallel all-gather before and reduce-scatter after each half-block
-            modules = 6 * blocks[s] + 2 * (s == 0) + 2 * (s == pp - 1)
+        if tp > 1:  # parallel/tensor.py's plan's parallelized modules (decoder.py); bytes of the
+            # sequence-parallel all-gather before and reduce-scatter after each half-block
+            modules = Decoder.of(mdl).tp_modules(blocks[s], s == 0, s == pp - 1)
             t_mb += cal["tp_step"] + modules * cal["tp_module"] + blocks[s] * 2 * (
                 tok_bytes / tp * cal["allgather"][1] + tok_bytes * cal["reducescatter"][1])
         stage_t.append(t_mb)

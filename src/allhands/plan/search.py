@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 from allhands.config import Config, validate
 from allhands.errors import ConfigError
+from allhands.models.build import with_preset
 from allhands.plan.cluster import Cluster
 from allhands.plan.estimate import Estimate, Layout, estimate
 
@@ -20,28 +21,44 @@ def layouts(cfg: Config, world: int, per_node: int, *, compile_options=(False, T
             ac_options=("none", "selective", "block")) -> Iterator[Layout]:
     """Candidate layouts of ``world`` ranks: tp inside a node and dividing the heads, pp up to the
     layers, the rest data parallel as DDP/ZeRO-1 (replicated), ZeRO-2/3 (sharded) or hybrid
-    (ZeRO-2/3 sharded inside groups, replicated across them); 1F1B with pp, 2pp, 4pp microbatches."""
+    (ZeRO-2/3 sharded inside groups, replicated across them); 1F1B with pp, 2pp, 4pp microbatches.
+    A Llama's tp also divides its key/value heads (each rank holds whole grouped-query groups)."""
     m = cfg.model
-    for tp in _divisors(min(per_node, m.n_head)):
-        if m.n_head % tp or world % tp:
-            continue
-        for pp in _divisors(min(m.n_layer, world // tp)):
-            if (world // tp) % pp:
+    kv = (m.n_kv_head or m.n_head) if m.family == "llama" else m.n_head
+    for tp, cp in _tp_cp(cfg, world, per_node, kv):
+        for pp in _divisors(min(m.n_layer, world // (tp * cp))) if cp == 1 else [1]:
+            if (world // (tp * cp)) % pp:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             splits = [(dp, 1, 0)] + [(dp // s, s, z) for s in _divisors(dp) if s > 1 for z in (1, 2, 3)
                                      if z >= 2 or s == dp]
             for rep, shard, zero in splits:
                 for micro in ([pp, 2 * pp, 4 * pp] if pp > 1 else [1]):
                     for ac in ac_options:
                         for comp in compile_options:
-                            yield Layout(rep, shard, tp, pp, zero, micro, ac, comp)
+                            yield Layout(rep, shard, tp, pp, zero, micro, ac, comp, cp)
+
+
+def _tp_cp(cfg: Config, world: int, per_node: int, kv: int) -> Iterator[tuple[int, int]]:
+    """(tp, cp) pairs: tp inside a node dividing the heads; context parallelism (the Llama family,
+    parallel/context.py) for cp dividing the world and cutting seq_len into 2 cp (x tp) chunks, so
+    a sequence whose activations do not fit one rank is cut over several."""
+    m = cfg.model
+    for tp in _divisors(min(per_node, m.n_head)):
+        if m.n_head % tp or kv % tp or world % tp:
+            continue
+        yield tp, 1
+        if m.family != "llama":
+            continue
+        for cp in _divisors(world // tp)[1:]:
+            if m.seq_len % (2 * cp * tp) == 0 and cp <= 16:
+                yield tp, cp
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
     """A copy of ``cfg`` that trains ``layout`` (only the sections it changes are copied)."""
     par = dataclasses.replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                              tp=layout.tp, pp=layout.pp, zero=layout.zero, ac=layout.ac,
+                              tp=layout.tp, pp=layout.pp, zero=layout.zero, ac=layout.ac, cp=layout.cp,
                               pp_schedule="1f1b", pp_stages_per_rank=0,
                               pp_microbatches=layout.microbatches if layout.pp > 1 else 0)
     run = dataclasses.replace(cfg.run, compile=layout.compile)
@@ -50,7 +67,8 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 def plan(cfg: Config, cluster: Cluster, **kw: Any) -> list[Estimate]:
     """Every candidate layout estimated: feasible ones by step time, then the infeasible ones
-    with the validator's or the memory model's reason."""
+    with the validator's or the memory model's reason. A ``model.preset`` is resolved first."""
+    cfg = dataclasses.replace(cfg, model=with_preset(cfg.model))
     bf16 = cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cluster.device == "cuda")
     out = []
     for layout in layouts(cfg, cluster.world, cluster.per_node, **kw):

@@ -1,0 +1,163 @@
+"""The layers a decoder family is made of, written once: RMSNorm, rotary position embeddings
+(plain and Llama 3's frequency scaling), grouped-query attention and the SwiGLU feed-forward.
+
+Every layer is written for one device and stays correct when tensor parallelism column-shards
+its input projections: attention reshapes its projections with ``-1`` heads, so the same code
+runs on ``n_heads`` query and ``n_kv_heads`` key/value heads or on the local
+``n_heads / tp`` and ``n_kv_heads / tp`` of one tensor-parallel rank.
+
+Shapes: ``x`` is ``(B, T, C)``; per-head tensors are ``(B, heads, T, head_dim)``; RoPE tables are
+``(T, head_dim)`` or, for explicit positions, ``(B, T, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) with a learned scale, computed in float32
+    and cast back before the scale, as transformers' LlamaRMSNorm does, so bf16 runs round alike."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: str = "", factor: float = 8.0,
+                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                     original_seq_len: int = 8192) -> torch.Tensor:
+    """The ``head_dim / 2`` inverse frequencies of RoPE (Su et al. 2021), float32.
+
+    ``scaling="llama3"``: Llama 3.1's context extension (Meta's llama-models
+    ``apply_scaling``, transformers' ``_compute_llama3_parameters``): wavelengths longer than
+    ``original_seq_len / low_freq_factor`` are slowed by ``factor``, those shorter than
+    ``original_seq_len / high_freq_factor`` kept, and the band between interpolated smoothly.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling == "":
+        return inv
+    if scaling != "llama3":
+        raise ValueError(f"rope scaling {scaling!r} is not implemented (only 'llama3')")
+    low_wavelen = original_seq_len / low_freq_factor
+    high_wavelen = original_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(inv_freq: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``(seq_len, head_dim)`` for positions ``0 .. seq_len-1``: each frequency is
+    repeated in both halves (``cat(freqs, freqs)``), the rotate-half layout below."""
+    freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, heads, T, head_dim)`` by position. This is the rotate-half convention
+    (dimension ``i`` pairs with ``i + head_dim/2``) that transformers' Llama, Mistral and Qwen use,
+    not Meta's interleaved pairs ``(2i, 2i+1)``: written this way, weights from transformers load
+    unchanged, without the q/k row permutation torchtitan's state-dict adapter applies."""
+    if cos.dim() == 3:  # per-sample positions (B, T, hd): broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+def document_positions(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of packed rows ``idx`` ``(B, T)``: its position in its document (restarting at
+    each document) and its document's index in the row. A document ends with ``doc_token``,
+    which still belongs to it (data/packing.py)."""
+    ar = torch.arange(idx.shape[1], device=idx.device)
+    ends = idx == doc_token
+    seg = torch.cumsum(ends, dim=1) - ends.long()  # documents ended before each token
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]  # a token right after an end starts a document
+    first = torch.cummax(torch.where(starts, ar, torch.zeros_like(ar)), dim=1).values
+    return ar - first, seg
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as SDPA's additive float mask (0 or -inf),
+    made once per forward: given a boolean one, SDPA on CPU converts it to float in every layer
+    and each layer's copy is kept for backward (measured: T x T x 4 bytes a layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def document_mask(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``(B, T)`` that restart at each document of a packed row, and the additive
+    attention mask ``(B, 1, T, T)`` that keeps each token inside its own document and causal."""
+    T = idx.shape[1]
+    pos, seg = document_positions(idx, doc_token)
+    same = seg[:, :, None] == seg[:, None, :]
+    return pos, additive((same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None])
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (Ainslie et al. 2023): ``n_kv_heads`` key and
+    value heads each serve ``n_heads / n_kv_heads`` query heads (1 = multi-query, ``n_heads`` =
+    multi-head). Optional bias on q, k, v (Qwen2) and RMSNorm over each q and k head (Qwen3)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None for plain causal attention, or ``document_mask``'s ``(B, 1, T, T)``."""
+        B, T, _ = x.shape
+        # (B, T, heads * hd) -> (B, T, heads, hd); heads are the local ones under tensor parallel
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA's own grouped-query broadcasting: on CPU (torch 2.13) it was faster than
+        # expanding k and v with repeat_interleave first (bench/attention_gqa.py), and it
+        # never materialises the repeated heads.
+        # A document mask goes to SDPA as a dense boolean mask: flex_attention's block masks
+        # would skip whole blocks, but on CPU (torch 2.13) flex_attention has no backward.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward of Shazeer 2020: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
