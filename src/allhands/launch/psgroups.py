@@ -17,9 +17,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import secrets
-import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -32,8 +30,7 @@ from allhands.config import Config
 from allhands.env import PS_ENV
 from allhands.errors import ConfigError, Interrupted, LaunchError
 from allhands.launch import forkstart, stop
-from allhands.launch.replicas import _descendants, _kill, start_with_secret
-from allhands.stopflag import STOP_SIGNALS
+from allhands.launch.replicas import _descendants, _kill, start_with_secret, stop_signals_to
 
 
 def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: Callable,
@@ -144,10 +141,5 @@ def _end_tree(p) -> None:
 @contextlib.contextmanager
 def _stop_handling(procs: list):
     stopping = _Stopping(procs)
-    main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, stopping.on_signal) for s in STOP_SIGNALS} if main else {}
-    try:
+    with stop_signals_to(stopping.on_signal):
         yield stopping
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)

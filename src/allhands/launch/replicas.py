@@ -267,10 +267,17 @@ def _kill(pid: int, signum: int = signal.SIGKILL) -> None:
 def _stop_handling(store: dist.Store, watcher: Watcher):
     """This launcher's stop signals, for the job's duration (main thread only)."""
     stopping = _Stopping(store, watcher)
-    main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, stopping.on_signal) for s in STOP_SIGNALS} if main else {}
-    try:
+    with stop_signals_to(stopping.on_signal):
         yield stopping
+
+
+@contextlib.contextmanager
+def stop_signals_to(handler: Callable):
+    """The stop signals go to ``handler`` while the block runs (main thread only)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if main else {}
+    try:
+        yield
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
