@@ -79,6 +79,11 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
             _join(procs, ours, watcher)
         finally:
             watcher.halt()
+    if watcher.cut_short:  # a group ended while restarting holds the final state all the same
+        from allhands.replica.start import catch_up  # start-up time: the trainer's modules
+
+        for g in (i for i in watcher.cut_short if i < nproc):
+            catch_up(run_dir, g, nproc)
     codes = [p.exitcode for i, p in enumerate(procs) if i not in watcher.cut_short]
     signum = stopping.signum or next((signal_of(c) for c in codes if c and signal_of(c)), None)
     if signum:
