@@ -4,6 +4,7 @@ a value written without the job secret is refused and named once, counters stay 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -63,3 +64,53 @@ def test_counters_stay_atomic_under_concurrent_adds(server):
     for t in threads:
         t.join()
     assert stores[0].add("n", 0) == 180 and sorted(results) == list(range(1, 181))
+
+
+def _tolerant(server, secret="s" * 32) -> MACStore:
+    return MACStore(_client(server), store_key(secret), "quorum store", tolerant=True)
+
+
+def test_a_tolerant_store_reads_forged_values_as_absent_and_logs_each_key_once(server, capfd):
+    """What decides in replica mode (``done``, a vote ``d/E/S``, ``joiners``) is read through
+    ``check``/``compare_set``/``add``: a stranger's value is absent there, never a decision."""
+    store = _tolerant(server)
+    server.set("done", b"59")  # created by a stranger, no MAC
+    server.set("d/1/5", b"abort")  # voted ahead
+    MACStore(_client(server), store_key("t" * 32), "x").set("joiners", b"7")  # another secret
+    assert not store.check(["done"]) and not store.check(["done"])
+    assert store.compare_set("d/1/5", "", "commit") == b"commit" and store.get("d/1/5") == b"commit"
+    assert store.compare_set("d/1/5", "", "abort") == b"commit"  # genuine now: one outcome
+    assert store.add("joiners", 1) == 1
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("allhands:")]
+    assert len(err) == 3 and all("intrusion: ignored key" in ln and "read as absent" in ln for ln in err), err
+
+
+def test_a_tolerant_store_puts_overwritten_genuine_values_back(server, capfd):
+    """A genuine key overwritten by a stranger: a reader that saw it writes it back (over the
+    forged bytes only); the writer's keeper does so without any read."""
+    a, b = _tolerant(server), _tolerant(server)
+    a.set("life/0", "abc")
+    assert b.get("life/0") == b"abc" and b.add("joiners", 2) == 2
+    server.set("life/0", b"forged")
+    server.set("joiners", b"9")
+    assert b.get("life/0") == b"abc" and b.add("joiners", 1) == 3
+    a.set("epoch", "4")
+    server.set("epoch", b"1")
+    deadline = time.monotonic() + 5
+    while server.get("epoch") == b"1":  # a's keeper puts its own key back
+        assert time.monotonic() < deadline, "the writer's keeper did not put its key back"
+        time.sleep(0.05)
+    assert _tolerant(server).get("epoch") == b"4"
+    assert "put the genuine value of key 'life/0' back" in capfd.readouterr().err
+
+
+def test_a_forged_value_nobody_saw_is_waited_for_then_named(server):
+    store = MACStore(_client(server), store_key("s" * 32), "quorum store", tolerant=True)
+    server.set("q/3/members", b"0:1:x")
+    writer = threading.Timer(0.3, lambda: _tolerant(server).set("q/3/members", "0:4:life"))
+    writer.start()
+    assert store.get("q/3/members") == b"0:4:life"  # the genuine one, once written
+    server.set("pid/0/1", b"666")
+    store.set_timeout(timedelta(seconds=0.5))
+    with pytest.raises(IntrusionError, match="'pid/0/1' .* held no genuine value for 0.5 s"):
+        store.get("pid/0/1")

@@ -42,12 +42,12 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def _saved(tmp_path, name: str):
+def _saved(tmp_path, name: str, families: dict | None = None, noise: float = 0.05):
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config((families or FAMILIES)[name]()).eval()
     with torch.no_grad():
         for p in hf.parameters():  # norms and biases away from their init, so each one counts
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(noise * torch.randn_like(p))
     hf.save_pretrained(tmp_path / "hf")
     return hf, tmp_path / "hf"
 
@@ -265,3 +265,18 @@ def test_init_from_fills_every_layout_with_the_file(tmp_path, token_dir, layout)
     assert len(trained) == len(file)
     for k, v in trained.items():
         assert torch.allclose(v, file[hf_name(k)], atol=1e-6, rtol=0), k
+
+
+def test_a_file_with_more_than_the_model_holds_is_refused(tmp_path):
+    import dataclasses
+
+    from allhands.errors import CheckpointError
+    from allhands.models import Llama
+    from allhands.models.hf import hf_config, load_hf
+
+    _, src = _saved(tmp_path, "llama3")
+    fc, _ = hf_config(src)
+    with pytest.raises(CheckpointError, match=r"1 unexpected|unexpected \(e\.g\. 'model\.layers\.1\."):
+        load_hf(Llama(dataclasses.replace(fc, n_layers=1)), src)
+    with pytest.raises(CheckpointError, match=r"of another shape"):
+        load_hf(Llama(dataclasses.replace(fc, ffn_hidden=64)), src)

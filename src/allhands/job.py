@@ -69,7 +69,7 @@ def default_loss(train_ds) -> LossFn:
 def build_reference_model(cfg: Config, vocab_size: int) -> nn.Module:
     """The model ``cfg.model`` names (the reference GPT or a Llama-family decoder); a preset
     still unresolved is resolved here (models/build.py)."""
-    fc = family_config(with_preset(cfg.model), vocab_size)
+    fc = family_config(with_preset(cfg.model), vocab_size, cfg.moe)
     if cfg.data.packing == "mask":  # rows of packed documents: the model masks by their end token
         fc = dataclasses.replace(fc, doc_token=document_token(cfg))
     return build_model(fc)

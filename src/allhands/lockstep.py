@@ -36,7 +36,7 @@ def build_mesh(cfg: Config, env: WorkerEnv, *, rank: int | None = None, world: i
     mesh = Mesh.build(rank=env.rank if rank is None else rank,
                       world_size=env.world_size if world is None else world, local_rank=env.local_rank,
                       device=cfg.run.device, backend=p.backend, dp_replicate=p.dp_replicate,
-                      dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s,
+                      dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, timeout_s=p.timeout_s,
                       store=store)
     said_since(env.rank, "the workers' rendezvous (process groups)", t)
     return mesh

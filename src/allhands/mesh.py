@@ -3,6 +3,12 @@
 Built once per worker and passed explicitly to every strategy; nothing else creates process
 groups. Its five named dimensions are ``pp``, ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``;
 every strategy asks this object for the group of the dimension it works over.
+
+Expert parallelism adds a second view of the same ranks (TorchTitan's ``ParallelDims``): the
+data-parallel ranks split into ``ep`` consecutive ranks that share out the experts and
+``edp = dp / ep`` groups of them that hold the same experts, the mesh ``(pp, edp, ep, tp)``.
+Consecutive ranks of dp are consecutive ranks of dp_shard, so an ep group lies inside a
+dp_shard group whenever ep divides dp_shard.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Mesh:
     device_mesh: DeviceMesh
     sizes: dict[str, int] = field(default_factory=dict)
     dp_mesh: DeviceMesh | None = None
+    expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp); None when ep = 1
     _ckpt_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _admit: bool = field(default=False, repr=False)
 
@@ -65,7 +72,7 @@ class Mesh:
 
     @classmethod
     def build(cls, *, rank: int, world_size: int, local_rank: int, device: str, backend: str,
-              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+              dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
               timeout_s: float = 300.0, store: dist.Store | None = None) -> "Mesh":
         """Initialise the default process group (env:// from the launcher, or ``store`` for the
         ranks of one role of a larger job: the parameter server's workers) and the mesh."""
@@ -96,10 +103,21 @@ class Mesh:
         if sizes["cp"] > 1:
             dmesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             dmesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, _admit=admit)
+        emesh = None
+        dp = sizes["dp_replicate"] * sizes["dp_shard"]
+        if ep > 1:
+            if dp % ep or sizes["cp"] > 1:
+                raise ConfigError(f"parallel.ep: {ep} must divide the {dp} data-parallel ranks "
+                                  f"and parallel.cp must be 1")
+            grid = dmesh.mesh.reshape(sizes["pp"], dp // ep, ep, sizes["tp"])
+            emesh = DeviceMesh(dev.type, grid, mesh_dim_names=("pp", "edp", "ep", "tp"))
+        sizes = {**sizes, "ep": ep, "edp": dp // ep}
+        mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, emesh,
+                   _admit=admit)
         # Each dim's group has connections of its own, set up through the store: a stranger
         # could pose as a member there, so it is admitted like the default group.
-        for dim in (*cls.DIMS, "dp", *(("dp_cp", "dp_shard_cp") if sizes["cp"] > 1 else ())):
+        for dim in (*cls.DIMS, "dp", *(("dp_cp", "dp_shard_cp") if sizes["cp"] > 1 else ()),
+                    *(("ep", "edp") if ep > 1 else ())):
             if mesh.size(dim) > 1:
                 mesh._admitted(mesh.group(dim))
         return mesh
@@ -122,6 +140,12 @@ class Mesh:
         takes the 2-D ``("dp_replicate", "dp_shard")``, or ``("dp_replicate", "dp_shard_cp")``)."""
         if dims == ("dp",):
             return self.dp_mesh
+        if dims in (("ep",), ("edp",)):
+            if self.expert_mesh is None:  # ep = 1: every rank holds every expert
+                if dims == ("ep",):
+                    raise ValueError("the mesh has no ep dim: parallel.ep is 1")
+                return self.dp_mesh
+            return self.expert_mesh[dims[0]]
         if self.sizes["cp"] == 1:  # no flattened cp dims exist: they are the ones without cp
             dims = tuple({"dp_cp": "dp", "dp_shard_cp": "dp_shard"}.get(d, d) for d in dims)
             if dims == ("dp",):
@@ -129,7 +153,7 @@ class Mesh:
         return self.device_mesh[dims if len(dims) > 1 else dims[0]]
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        if dim in FLAT:
+        if dim in FLAT or dim in ("ep", "edp"):
             return self.submesh(dim).get_group()
         return self.device_mesh.get_group(dim)
 
@@ -148,7 +172,9 @@ class Mesh:
 
     def local_rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim`` (or in the flattened ``dp``)."""
-        if dim in FLAT:
+        if dim in ("ep", "edp") and self.size(dim) == 1:
+            return 0
+        if dim in FLAT or dim in ("ep", "edp"):
             return self.submesh(dim).get_local_rank()
         return self.device_mesh.get_local_rank(dim)
 

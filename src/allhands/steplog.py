@@ -25,6 +25,11 @@ class StepLog:
         self.net_iface = gloo_interface() if self._tx_at_log is not None else None
         self._window = [0, 0.0]  # steps, summed step seconds since the last logged step
 
+    @property
+    def window_steps(self) -> int:
+        """Steps since the last logged one, this one included."""
+        return self._window[0]
+
     def step_done(self, dt: float) -> None:
         self._window[0] += 1
         self._window[1] += dt

@@ -37,6 +37,7 @@ from allhands.mesh import Mesh
 from allhands.metrics import MetricsWriter, slow_phase
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
+from allhands.parallel.moe_metrics import moe_record
 from allhands.steplog import StepLog
 from allhands.stopflag import CleanStop
 from allhands.sync import SyncBuilder, build_sync
@@ -298,12 +299,14 @@ class Trainer:
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 if ts.step % cfg.log.interval == 0 or last:
+                    window = self.steplog.window_steps
                     result = self.steplog.gather(
                         step=ts.step, loss_sum=loss_sum, gnorm=gnorm, dt=dt,
                         comm=self.strategy.comm.take(), reports_loss=self.layout.reports_loss,
                         lr=self.scheduler.get_last_lr()[0], tokens_per_sample=self.tokens_per_sample,
                         counters={"nonfinite_skips": ts.nonfinite_skips,
                                   "checkpoint_failures": self.ckpt.failures, "rollbacks": self.rollbacks})
+                    result.update(moe_record(self.parts, mesh, window))  # MoE layers only
                     if self.flops is not None:  # flops_per_step, achieved_flops, mfu
                         result.update(self.flops.fields(result["step_time"]))
                     metrics.log(result)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +32,7 @@ from allhands.checkpoint.hf import write_hf
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
 from allhands.config import load_config, parse_mix
-from allhands.data.tokenizer import EOT, byte_tokenizer_json
+from allhands.data.tokenizer import CHAT_TEMPLATE_FILE, EOT, TOKENIZER_CONFIG, byte_tokenizer_json
 from allhands.errors import CheckpointError, ConfigError, cannot_write
 from allhands.models.hf import is_hf_dir, load_hf
 
@@ -124,8 +125,21 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | No
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {str(out)!r} is a file; --format hf writes a directory")
-    write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size)
+    write_hf(out, checkpoint_weights(path), cfg.model, saved_step, tokenizer, max_shard_size,
+             cfg.moe)
+    if tokenizer is not None:
+        _copy_tokenizer_config(cfg, out)
     return out, note
+
+
+def _copy_tokenizer_config(cfg, out: Path) -> None:
+    """A tokenizer directory's own config and chat template (``prepare --tokenizer HF_DIR``
+    stores them beside the data) over the generic config written above, so that the exported
+    model keeps its special tokens and chat template."""
+    data = Path(parse_mix(cfg.data.mix)[0][0] if cfg.data.mix else cfg.data.path)
+    for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
+        if (data / name).is_file():
+            shutil.copyfile(data / name, out / name)
 
 
 def sharded_loader(path: str | os.PathLike,

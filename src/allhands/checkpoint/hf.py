@@ -13,17 +13,18 @@ from pathlib import Path
 
 import torch
 
-from allhands.config import ModelConfig
+from allhands.config import ModelConfig, MoEConfig
 from allhands.models.build import family_config
 from allhands.models.hf import hf_config_json, hf_tensors, write_hf_dir
 
 
 def write_hf(out: Path, sd: dict[str, torch.Tensor], m: ModelConfig, step: int,
-             tokenizer: tuple[str, str, int] | None, max_shard_size: str | int = "5GB") -> None:
+             tokenizer: tuple[str, str, int] | None, max_shard_size: str | int = "5GB",
+             moe: MoEConfig | None = None) -> None:
     """Write the directory: config.json, the weights (sharded above ``max_shard_size``) and,
     with ``tokenizer`` = (tokenizer.json text, end-of-document token, its id), the tokenizer
-    files. ``sd``: the full state dict of the model ``m`` describes."""
-    fc = family_config(m, sd["tok_emb.weight"].shape[0])
+    files. ``sd``: the full state dict of the model ``m`` (and ``moe``) describes."""
+    fc = family_config(m, sd["tok_emb.weight"].shape[0], moe)
     eot = tokenizer[2] if tokenizer else None
     config = hf_config_json(fc, m.max_positions, eot, eot)
     write_hf_dir(out, hf_tensors(sd, fc), config, max_shard_size, {"allhands_step": str(step)})

@@ -11,7 +11,9 @@ from allhands.errors import ConfigError
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
+    from allhands.models.resolve import resolve_model  # here, not at the top: it imports torch
+
+    cfg = resolve_model(load_config(args.config, args.set))  # the shape a preset or init_from sets
     validate(cfg, need_data=False)
     sys.stdout.write(to_toml(cfg, with_docs=args.docs))
     return 0

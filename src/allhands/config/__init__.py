@@ -5,6 +5,7 @@ from allhands.config.tree import (CheckpointConfig, Config, DataConfig, FaultCon
                                   ModelConfig, OptimConfig, ParallelConfig, PSConfig, RunConfig,
                                   SyncConfig)
 from allhands.config.layering import apply_override, load_config, to_toml
+from allhands.config.moe import MoEConfig
 from allhands.config.layout_checks import (MESH_DIMS, PP_SCHEDULES, mesh_sizes, pp_microbatches,
                                            pp_stages_per_rank)
 from allhands.config.mode_checks import SYNC_MODES, replica_group_config, replica_group_size
@@ -12,7 +13,7 @@ from allhands.config.validate import parse_mix, validate
 from allhands.errors import ConfigError
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultConfig", "LogConfig",
-           "MESH_DIMS", "ModelConfig", "OptimConfig", "PP_SCHEDULES", "PSConfig", "ParallelConfig",
+           "MESH_DIMS", "ModelConfig", "MoEConfig", "OptimConfig", "PP_SCHEDULES", "PSConfig", "ParallelConfig",
            "RunConfig", "SYNC_MODES", "SyncConfig", "apply_override", "load_config", "mesh_sizes",
            "parse_mix",
            "pp_microbatches", "pp_stages_per_rank", "replica_group_config", "replica_group_size", "to_toml",

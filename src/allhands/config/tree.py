@@ -14,13 +14,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from allhands.config.fields import _f
+from allhands.config.moe import MoEConfig
 from allhands.errors import ConfigError
 
 
-def _f(default: Any, doc: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc}, **kw)
-    return field(default=default, metadata={"doc": doc}, **kw)
 
 
 @dataclass
@@ -114,6 +112,8 @@ class ParallelConfig:
     pp_microbatches: int = _f(0, "pipeline microbatches per step and data-parallel rank; 0 = one per stage")
     pp_stages_per_rank: int = _f(0, "pipeline stages per rank; 0 = 1, or 2 for interleaved1f1b")
     pp_split: str = _f("", "comma-separated FQNs of the units beginning stages 1..; empty = the model's own")
+    ep: int = _f(1, "expert-parallel degree: MoE experts split over this many data-parallel ranks "
+                    "(parallel/expert.py); divides dp_shard under zero 2/3, else the data-parallel ranks")
 
 
 @dataclass
@@ -246,6 +246,7 @@ class Config:
     """The root of the tree; each section is one component."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
+from allhands.config.moe import check_ep, validate_moe
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
 from allhands.config.tree import TRACKERS, Config
 from allhands.config.validate_model import validate_model
@@ -22,6 +23,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     """Raise ConfigError for the first impossible value. ``world_size`` enables batch checks."""
     m, o, r, p, c, lg, d = cfg.model, cfg.optim, cfg.run, cfg.parallel, cfg.checkpoint, cfg.log, cfg.data
     validate_model(m)
+    validate_moe(cfg.moe, m.family)
     check(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]", o.min_lr_ratio)
     check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
@@ -37,6 +39,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check(p.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", p.bucket_mb)
     check(p.timeout_s > 0, "parallel.timeout_s", "must be > 0", p.timeout_s)
     check_parallel(p)
+    check_ep(p, cfg.moe)
     check(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)", c.interval)
     check(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
     check(c.mode in ("async", "sync"), "checkpoint.mode", "allowed: async, sync", c.mode)
@@ -83,6 +86,7 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
                f"must be divisible by data-parallel ranks x micro_batches = {dp} x {r.micro_batches} = {per}",
                r.global_batch)
         check_tp_pp(cfg, sizes)
+        check_ep(p, cfg.moe, sizes)
     if c.init_from and not Path(c.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {c.init_from!r} does not exist; pass a .safetensors "
                           f"file or a transformers directory written by `allhands export`")

@@ -355,18 +355,21 @@ def _start(cfg: Config, spec: LaunchSpec, job: Any) -> None:
         spec = dataclasses.replace(spec, run_id=_default_run_id(spec, cfg.run.dir))
     policy = restart_policy(cfg, spec)
     print(policy.describe(spec.multi_node), file=sys.stderr, flush=True)
+    # A launcher per group or world: their directories and files private from here (safefs.py).
     if cfg.fault.mode == "replica" and cfg.parallel.sync == "ps":  # each ps worker restarts alone
         from allhands.launch.psgroups import run_ps_groups  # start-up time, as below
 
-        return run_ps_groups(cfg, spec, job, launch=launch, entry=worker_entry, policy=policy)
+        with safefs.private_umask():
+            return run_ps_groups(cfg, spec, job, launch=launch, entry=worker_entry, policy=policy)
     if cfg.fault.mode == "replica" and spec.nproc * spec.nnodes > 1:  # each group restarts alone
         from allhands.launch.replica_nodes import run_replica_nodes  # start-up time: the trainer's modules
         from allhands.launch.replicas import run_replicas
 
         per = replica_group_size(cfg.parallel, spec.nproc)  # FSDP inside a group: dp_shard ranks
         run = run_replica_nodes if spec.multi_node else run_replicas  # across nodes: one store on node 0
-        run(cfg, spec.nproc // per, job, launch=launch, entry=worker_entry,
-            group_spec=dataclasses.replace(spec, nproc=per, port=0, run_id=""), policy=policy)
+        with safefs.private_umask():
+            run(cfg, spec.nproc // per, job, launch=launch, entry=worker_entry,
+                group_spec=dataclasses.replace(spec, nproc=per, port=0, run_id=""), policy=policy)
         return
     launch(worker_entry, (cfg.to_dict(), job), spec, threads=cfg.run.threads,
            log_dir=Path(cfg.run.dir) / "logs", policy=policy,

@@ -19,18 +19,16 @@ import os
 import secrets
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
-
-import torch.distributed as dist
 
 from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.env import PS_ENV
 from allhands.errors import ConfigError, Interrupted, LaunchError
 from allhands.launch import forkstart, stop
-from allhands.launch.replicas import _descendants, _kill, start_with_secret, stop_signals_to
+from allhands.launch.replicas import _descendants, _kill, end_slots, see_logs, start_with_secret, stop_signals_to
+from allhands.launch.storehost import HostedStore
 
 
 def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: Callable,
@@ -42,8 +40,7 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
                           "fault.mode=restart for a multi-node job")
     workers = spec.nproc - cfg.ps.servers
     run_dir = Path(cfg.run.dir)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    store = HostedStore("127.0.0.1", 0, "parameter-server link store", cfg.parallel.timeout_s)
     # Each world's launcher forked from this launcher's preloaded forkserver (forkstart.py), with
     # this launcher's environment, as its workers are: a spawned one imported torch and the
     # launcher first, the start-up that dominated a short job on a loaded host.
@@ -65,19 +62,25 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         else:
             target = _group_main
         procs.append(ctx.Process(target=target, name=f"allhands-ps-{g}", args=args))
-    start_with_secret(procs, secrets.token_hex(32))
-    print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
-          f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port}", file=sys.stderr, flush=True)
-    with _stop_handling(procs) as stopping:
-        _join(procs, stopping)
+    try:
+        start_with_secret(procs, secrets.token_hex(32))
+        store.ready()
+        print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
+              f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port} only", file=sys.stderr,
+              flush=True)
+        with _stop_handling(procs) as stopping:
+            _join(procs, stopping)
+    finally:
+        end_slots(procs)
+        store.close()
     if stopping.signum:
         s = stop.Stopped(stopping.signum, clean=not stopping.killed)
         raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
                           stop.exit_code(stopping.signum))
     if procs[-1].exitcode != 0 or all(p.exitcode != 0 for p in procs[:-1]):
+        worlds = [run_dir / "ps-servers", *(group_dir(run_dir, g) / "ps-worker" for g in range(workers))]
         raise LaunchError(f"the parameter servers or every worker failed; see the lines above and "
-                          f"{run_dir / 'logs'}")
-    del store
+                          f"{see_logs(worlds, run_dir)}")
 
 
 def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, launch: Callable,

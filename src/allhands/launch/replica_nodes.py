@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import sys
 import time
@@ -32,8 +33,9 @@ from allhands import admission
 from allhands.authstore import sealed
 from allhands.config import Config
 from allhands.errors import ConfigError
-from allhands.launch.listeners import bind_socket, is_wildcard, resolve
-from allhands.launch.replicas import check_groups, group_main
+from allhands.launch.listeners import is_wildcard, resolve
+from allhands.launch.replicas import check_groups, end_slots, group_main
+from allhands.launch.storehost import HostedStore
 
 _LABEL = b"allhands-replica-quorum-v1"
 
@@ -42,6 +44,18 @@ def replica_secret(job_secret: str | None) -> str | None:
     """The quorum's secret, the same on every node: an HMAC of the job secret (kept apart from
     its other uses); None with --insecure."""
     return hmac.new(job_secret.encode(), _LABEL, hashlib.sha256).hexdigest() if job_secret else None
+
+
+def run_secret(store: dist.Store, secret: str, node_rank: int, nnodes: int, wait_s: float) -> str:
+    """The quorum's secret for this run of the job: the replica secret bound to a fresh nonce of
+    every node. The job secret is the same for every run of a job, so without it a genuine value
+    recorded from an earlier run (``done``) could be replayed into this one; with it, a value of
+    another run has no valid MAC. (A nonce replayed before its node wrote its own only makes the
+    nodes disagree: every value then fails its MAC, a denial of service, never a forgery.)"""
+    store.set(f"run/{node_rank}", secrets.token_hex(16))
+    store.wait([f"run/{r}" for r in range(nnodes)], timedelta(seconds=wait_s))  # every node started
+    nonces = b"".join(store.get(f"run/{r}") for r in range(nnodes))
+    return hmac.new(secret.encode(), b"run:" + nonces, hashlib.sha256).hexdigest()
 
 
 def quorum_endpoint(spec: Any) -> tuple[str, int]:
@@ -76,12 +90,16 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
     address = local_address(spec, host)
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     master = None
-    if spec.node_rank == 0:
-        sock = bind_socket(spec.bind or host, port, "replica quorum store")
-        master = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                               master_listen_fd=sock.detach())
-    store = sealed(dist.TCPStore(host, port, is_master=False, timeout=timeout), secret,
-                  f"replica quorum store at {host}:{port}")
+    if spec.node_rank == 0:  # on that one address (a store process: storehost.py)
+        master = HostedStore(spec.bind or host, port, "replica quorum store", cfg.parallel.timeout_s)
+        master.ready()
+    where = f"replica quorum store at {host}:{port}"
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if secret:  # every value of this run is MAC'd under a secret of this run only
+        base = sealed(client, secret, where, tolerant=True)
+        secret = run_secret(base, secret, spec.node_rank, spec.nnodes, cfg.fault.rdzv_join_timeout_s)
+        base.close()
+    store = sealed(client, secret, where, tolerant=True)
     one_node = dataclasses.replace(spec, nnodes=1, node_rank=0, rdzv_endpoint="", local_addr="",
                                    bind="", min_nodes=0, rdzv_store="node0", secret_file="")
     groups = nproc * spec.nnodes
@@ -95,13 +113,20 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
     print(f"allhands: replica mode: node {spec.node_rank} runs replica groups "
           f"{', '.join(map(str, mine))} of {groups}; quorum store at {host}:{port}; gloo on {address}",
           file=sys.stderr, flush=True)
-    for p in procs:
-        p.join()
-    store.set(f"node/{spec.node_rank}/ended", "1")
-    if master is not None:  # the others' groups may still be finishing against this store
-        _wait_for_nodes(store, spec.nnodes, cfg.parallel.timeout_s)
+    try:
+        for p in procs:
+            p.join()
+        store.set(f"node/{spec.node_rank}/ended", "1")
+        if master is not None:  # the others' groups may still be finishing against this store
+            _wait_for_nodes(store, spec.nnodes, cfg.parallel.timeout_s)
+    finally:
+        end_slots(procs)
+        if hasattr(store, "close"):  # a MACStore's keeper (not with --insecure)
+            store.close()
+        if master is not None:
+            master.close()
     failed = [g for g, p in zip(mine, procs) if p.exitcode != 0]
-    check_groups(failed, len(procs), Path(cfg.run.dir) / "logs", f" of node {spec.node_rank}")
+    check_groups(failed, len(procs), Path(cfg.run.dir), groups, f" of node {spec.node_rank}")
 
 
 def _wait_for_nodes(store: dist.Store, nnodes: int, timeout_s: float) -> None:

@@ -8,8 +8,9 @@ live peer (replica/heal.py) instead of everyone restarting from a checkpoint. Wh
 failed at once, each restarts from its own last checkpoint and the quorum forms again among
 them: the restart mode's recovery, kept as the fallback.
 
-The store is a TCPStore on loopback hosted here; every value the workers write to it is MAC'd
-under a secret made for this job (authstore.py), handed to the groups in their environment.
+The store is a TCPStore served on loopback only by a process of its own (storehost.py); every
+value the workers write to it is MAC'd under a secret made for this job (authstore.py), handed to
+the groups in their environment, and a value without a valid MAC is read as absent, not fatal.
 
 Each group's process is a "slot"; ``fault.spares`` more slots start as spares (replica/spares.py).
 A watcher thread here sees a worker's process die within ``WATCH_S`` (its supervisor needs longer:
@@ -45,6 +46,7 @@ from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
 from allhands.launch import stop
+from allhands.launch.storehost import HostedStore
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
 from allhands.replica.spares import hand_over, holder
@@ -59,26 +61,33 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
     complete; LaunchError when every group failed for good (each one's restarts used up). Across
     nodes: launch/replica_nodes.py, with the same slots and summary."""
     run_dir = Path(cfg.run.dir)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    host = HostedStore("127.0.0.1", 0, "replica store", cfg.parallel.timeout_s)  # loopback only
     secret = secrets.token_hex(32)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{store.port}", secret,
+                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{host.port}", secret,
                                launch, entry, group_spec, policy)) for g in range(nproc + cfg.fault.spares)]
-    for p in procs:
-        p.start()
-    spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
-    print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
-          f"127.0.0.1:{store.port}; run directory {run_dir}", file=sys.stderr, flush=True)
-    ours = sealed(store, secret, f"replica store at 127.0.0.1:{store.port}")
-    watcher = Watcher(ours, nproc, procs, run_dir / "replicas" / "notices.jsonl")
-    with _stop_handling(ours, watcher) as stopping:
-        watcher.start()
-        try:
-            _join(procs, ours, watcher)
-        finally:
-            watcher.halt()
+    try:
+        for p in procs:
+            p.start()
+        host.ready()
+        spares = f", {cfg.fault.spares} spare(s)" if cfg.fault.spares else ""
+        print(f"allhands: replica mode: {nproc} replica groups of {group_spec.nproc} worker(s){spares}, quorum store on "
+              f"127.0.0.1:{host.port} only; run directory {run_dir}", file=sys.stderr, flush=True)
+        ours = sealed(dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                    timeout=timedelta(seconds=cfg.parallel.timeout_s)),
+                      secret, host.where, tolerant=True)
+        watcher = Watcher(ours, nproc, procs, run_dir / "replicas" / "notices.jsonl")
+        with _stop_handling(ours, watcher) as stopping:
+            watcher.start()
+            try:
+                _join(procs, ours, watcher)
+            finally:
+                watcher.halt()
+                ours.close()
+    finally:
+        end_slots(procs)
+        host.close()
     if watcher.cut_short:  # a group ended while restarting holds the final state all the same
         from allhands.replica.start import catch_up  # start-up time: the trainer's modules
 
@@ -92,19 +101,41 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
         raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
                           stop.exit_code(signum))
     failed = [g for g, p in enumerate(procs) if p.exitcode != 0 and g not in watcher.cut_short]
-    check_groups(failed, len(procs), run_dir / "logs")
-    del store
+    check_groups(failed, len(procs), run_dir, nproc)
 
 
-def check_groups(failed: list[int], total: int, logs: Path, whose: str = "") -> None:
+def slot_dir(run_dir: Path, slot: int, groups: int) -> Path:
+    """Where slot ``slot`` keeps its logs: its group's directory, or a spare's own."""
+    return group_dir(run_dir, slot) if slot < groups else run_dir / "replicas" / f"spare-{slot - groups}"
+
+
+def see_logs(dirs: list[Path], run_dir: Path) -> str:
+    """The logs directories of ``dirs`` that exist, for a "see" line (the run directory when none
+    does: a world that failed before it logged anything)."""
+    found = [str(d / "logs") for d in dirs if (d / "logs").is_dir()]
+    return ", ".join(found) if found else str(run_dir)
+
+
+def check_groups(failed: list[int], total: int, run_dir: Path, groups: int, whose: str = "") -> None:
     """The end of a replica-mode launch whose slots ``failed`` (of ``total``) exited non-zero:
-    LaunchError when every one did, else a warning line naming them."""
+    LaunchError when every one did (naming their logs), else a warning line naming them."""
     if failed and len(failed) == total:
+        logs = see_logs([slot_dir(run_dir, g, groups) for g in failed], run_dir)
         raise LaunchError(f"every replica group{whose} failed ({', '.join(map(str, failed))}); see the "
                           f"lines above and {logs}")
     if failed:
         print(f"allhands: warning: replica group(s) {', '.join(map(str, failed))} failed for good; "
               f"the others completed the job", file=sys.stderr, flush=True)
+
+
+def end_slots(procs: list) -> None:
+    """Kill every slot still running and its workers (a launcher that failed before its slots
+    ended leaves none behind), then wait for them."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            for pid in [*_descendants(p.pid), p.pid]:
+                _kill(pid)
+            p.join()
 
 
 def start_with_secret(procs: list, secret: str) -> None:
@@ -156,7 +187,7 @@ def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: s
     os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
     cfg = Config.from_dict(cfg_dict)
     run_dir = Path(cfg.run.dir)
-    where = group_dir(run_dir, group) if group < groups else run_dir / "replicas" / f"spare-{group - groups}"
+    where = slot_dir(run_dir, group, groups)
     where.mkdir(parents=True, exist_ok=True)
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=cfg.run.threads,

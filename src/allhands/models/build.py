@@ -7,14 +7,42 @@ from __future__ import annotations
 import dataclasses
 import torch.nn as nn
 
-from allhands.config import ModelConfig
+from allhands.config import ModelConfig, MoEConfig
 from allhands.models.gpt import GPT, GPTConfig
 from allhands.models.llama import Llama, LlamaConfig
+from allhands.models.moe import MoEArgs
 from allhands.models.presets import preset
 
 
-def family_config(m: ModelConfig, vocab_size: int) -> GPTConfig | LlamaConfig:
-    """The family config of section ``m``; ``vocab_size`` when ``m.vocab_size`` is 0."""
+def moe_args(e: MoEConfig | None) -> MoEArgs:
+    """The MoE shape of section ``e`` (None or ``n_experts = 0``: dense)."""
+    if e is None or not e.n_experts:
+        return MoEArgs()
+    return MoEArgs(n_experts=e.n_experts, top_k=e.top_k, hidden=e.ffn_hidden,
+                   n_shared=e.n_shared_experts, shared_hidden=e.shared_ffn_hidden,
+                   shared_gate=e.shared_gate, score=e.score, norm_topk=e.norm_topk,
+                   balance=e.balance, aux_coef=e.aux_coef, bias_rate=e.bias_rate, every=e.every,
+                   first_dense=e.first_dense)
+
+
+def moe_section(a: MoEArgs, base: MoEConfig | None = None) -> MoEConfig:
+    """The ``moe`` section of ``a`` (the inverse of :func:`moe_args`); a dense ``a`` keeps
+    ``base``'s fields with ``n_experts = 0``."""
+    out = dataclasses.replace(base) if base is not None else MoEConfig()
+    if not a.n_experts:
+        out.n_experts = 0
+        return out
+    return dataclasses.replace(out, n_experts=a.n_experts, top_k=a.top_k, ffn_hidden=a.hidden,
+                               n_shared_experts=a.n_shared, shared_ffn_hidden=a.shared_hidden,
+                               shared_gate=a.shared_gate, score=a.score, norm_topk=a.norm_topk,
+                               balance=a.balance, aux_coef=a.aux_coef, bias_rate=a.bias_rate,
+                               every=a.every, first_dense=a.first_dense)
+
+
+def family_config(m: ModelConfig, vocab_size: int,
+                  moe: MoEConfig | None = None) -> GPTConfig | LlamaConfig:
+    """The family config of section ``m`` (and ``moe``, the llama family's experts);
+    ``vocab_size`` when ``m.vocab_size`` is 0."""
     vocab = m.vocab_size or vocab_size
     if m.family == "llama":
         return LlamaConfig(vocab_size=vocab, dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head,
@@ -24,7 +52,7 @@ def family_config(m: ModelConfig, vocab_size: int) -> GPTConfig | LlamaConfig:
                            rope_low_freq_factor=m.rope_low_freq_factor,
                            rope_high_freq_factor=m.rope_high_freq_factor,
                            rope_original_seq_len=m.rope_original_seq_len, qkv_bias=m.qkv_bias,
-                           qk_norm=m.qk_norm, tie_embeddings=m.tie_embeddings)
+                           qk_norm=m.qk_norm, tie_embeddings=m.tie_embeddings, moe=moe_args(moe))
     return GPTConfig(vocab_size=vocab, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
                      n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
                      tie_embeddings=m.tie_embeddings, ffn_hidden=m.ffn_hidden,

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from allhands.errors import CheckpointError, ConfigError
-from allhands.models import gpt_hf, llama_hf
+from allhands.models import gpt_hf, llama_hf, moe_hf
 from allhands.models.build import build_model
 from allhands.models.gpt import GPT, GPTConfig
 from allhands.models.llama import Llama, LlamaConfig
@@ -36,7 +36,7 @@ from allhands.models.llama import Llama, LlamaConfig
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-FAMILIES = ("gpt2", *llama_hf.ARCHITECTURES)
+FAMILIES = ("gpt2", *llama_hf.ARCHITECTURES, *moe_hf.KINDS)
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -68,6 +68,8 @@ def hf_config(path: Path, seq_len: int | None = None, bias: bool = True,
     positions = int(c.get("max_position_embeddings") or 0)
     if seq_len is None and c.get("sliding_window") and c.get("use_sliding_window", True):
         seq_len = min(positions or c["sliding_window"], c["sliding_window"])
+    if c["model_type"] in moe_hf.KINDS:
+        return moe_hf.from_hf_config(c, seq_len), positions
     return llama_hf.from_hf_config(c, seq_len), positions
 
 
@@ -180,6 +182,24 @@ def _fit_error(path: Path, missing: list[str], shapes: list[tuple[str, tuple, tu
                            f"{', '.join(parts)} tensors; use the model config it was exported from")
 
 
+def _whole(m: Llama) -> bool:
+    return m.tok_emb is not None and m.lm_head is not None and len(m.blocks) == m.cfg.n_layers
+
+
+def _copy_rows(local: torch.Tensor, index: tuple[slice, ...] | None, read) -> None:
+    """Fill ``local``, the block ``index`` of a global tensor (None: all of it), from
+    ``read(block)``, rows in chunks of about 8 MiB, so the buffer a read fills stays small."""
+    if index is None:
+        index = tuple(slice(0, n) for n in local.shape)
+    if local.dim() == 0:
+        local.copy_(read(index))
+        return
+    step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
+    for r in range(0, max(1, local.shape[0]), step):
+        rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
+        local[r:r + step].copy_(read((rows, *index[1:])))
+
+
 def load_hf(module: nn.Module, path: Path) -> nn.Module:
     """Copy the weights of transformers directory ``path`` into ``module`` (our model of the
     same family, whole, a pipeline stage of it, or with DTensor parameters: each rank reads
@@ -199,7 +219,12 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
     else:
         names = set(reader.names())
         sources, shape_of, files = {}, {}, {}
+        experts = c.get("num_local_experts") or c.get("num_experts") or 0
         for k in own:
+            if c["model_type"] in moe_hf.KINDS and moe_hf.is_moe_name(k):
+                _moe_source(k, own[k], moe_hf.expert_names(k, c["model_type"], experts), names,
+                            reader, sources, shape_of)
+                continue
             try:
                 theirs = llama_hf.hf_name(k)
             except KeyError:
@@ -210,6 +235,18 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
                 sources[k] = lambda idx, n=theirs: reader.read(n, idx)
                 shape_of[k] = reader.shape(theirs)
                 files[k] = reader.file_of(theirs)
+    if isinstance(module, Llama) and _whole(module):  # a stage holds a subset of the file
+        used = {llama_hf.TIED[1]}
+        for k in own:
+            if c["model_type"] in moe_hf.KINDS and moe_hf.is_moe_name(k):
+                used |= set(moe_hf.expert_names(k, c["model_type"], experts) or ())
+            else:
+                used.add(llama_hf.hf_name(k))
+        extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise CheckpointError(f"checkpoint.init_from: {str(path)!r} does not fit the model: "
+                                  f"{len(extra)} unexpected (e.g. {extra[0]!r}) tensors; use the "
+                                  f"model config it was exported from")
     for k, t in own.items():
         if k not in sources:
             missing.append(k)
@@ -221,34 +258,58 @@ def load_hf(module: nn.Module, path: Path) -> nn.Module:
     order = sorted(own, key=lambda k: files.get(k, ""))
     with torch.no_grad():
         for i, k in enumerate(order):
-            local, index = local_block(own[k])
-            if index is None:
-                index = tuple(slice(0, n) for n in local.shape)
-            # rows in chunks of about 8 MiB: the buffer a read fills stays small
-            step = max(1, (8 << 20) // max(1, local[:1].numel() * local.element_size()))
-            for r in range(0, max(1, local.shape[0] if local.dim() else 1), step):
-                if local.dim() == 0:
-                    local.copy_(sources[k](index))
-                    break
-                rows = slice(index[0].start + r, min(index[0].stop, index[0].start + r + step))
-                local[r:r + step].copy_(sources[k]((rows, *index[1:])))
+            _copy_rows(*local_block(own[k]), sources[k])
             if k in files and (i + 1 == len(order) or files.get(order[i + 1]) != files[k]):
                 reader.close(files[k])
     return module
+
+
+def _moe_source(k: str, t: torch.Tensor, theirs: list[str] | None, names: set[str],
+                reader: HFReader, sources: dict, shape_of: dict) -> None:
+    """How to read our MoE tensor ``k`` (like ``t``): one tensor of theirs, a stack of one per
+    expert (a slice of ours reads the experts of its first index, each sliced by the rest), or,
+    for the balancing bias, zeros."""
+    if theirs is None:
+        sources[k] = lambda idx, t=t: torch.zeros_like(t if idx is None else t[idx])
+        shape_of[k] = tuple(t.shape)
+    elif len(theirs) == 1 or not set(theirs) <= names:
+        if theirs[0] in names:
+            sources[k] = lambda idx, n=theirs[0]: reader.read(n, idx)
+            shape_of[k] = reader.shape(theirs[0])
+    else:
+        def read(idx, ns=theirs):
+            if idx is None:
+                return torch.stack([reader.read(n) for n in ns])
+            return torch.stack([reader.read(n, idx[1:]) for n in ns[idx[0]]])
+        sources[k] = read
+        shape_of[k] = (len(theirs), *reader.shape(theirs[0]))
 
 
 def hf_tensors(sd: dict[str, torch.Tensor], fc: GPTConfig | LlamaConfig) -> dict[str, torch.Tensor]:
     """transformers' tensors of our full state dict ``sd``."""
     if isinstance(fc, GPTConfig):
         return gpt_hf.to_gpt2(sd, fc.n_layer, fc.n_head, fc.tie_embeddings)
-    return {llama_hf.hf_name(k): v.contiguous() for k, v in sd.items()
-            if not (fc.tie_embeddings and k == "lm_head.weight")}
+    kind = moe_hf.kind_of(fc) if fc.moe.n_experts else ""
+    out = {}
+    for k, v in sd.items():
+        if fc.tie_embeddings and k == "lm_head.weight":
+            continue
+        if kind and moe_hf.is_moe_name(k):
+            theirs = moe_hf.expert_names(k, kind, fc.moe.n_experts)
+            if theirs is not None:  # the balancing bias has no place in their files
+                out.update(zip(theirs, [e.contiguous() for e in v] if len(theirs) > 1
+                               else [v.contiguous()]))
+            continue
+        out[llama_hf.hf_name(k)] = v.contiguous()
+    return out
 
 
 def hf_config_json(fc: GPTConfig | LlamaConfig, max_positions: int = 0, bos: int | None = None,
                    eos: int | None = None) -> dict:
     if isinstance(fc, GPTConfig):
         return gpt_hf.gpt2_config(fc, fc.vocab_size, eos)
+    if fc.moe.n_experts:
+        return moe_hf.to_hf_config(fc, max_positions, bos, eos)
     return llama_hf.to_hf_config(fc, max_positions, bos, eos)
 
 
@@ -303,7 +364,8 @@ def write_hf_dir(out: Path, tensors: dict[str, torch.Tensor], config: dict,
 def from_hf(path: str | os.PathLike, seq_len: int | None = None,
             dtype: torch.dtype = torch.float32) -> nn.Module:
     """Our module with the weights of the transformers directory ``path`` (LlamaForCausalLM,
-    MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel), in ``dtype``."""
+    MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
+    Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or GPT2LMHeadModel), in ``dtype``."""
     fc, _ = hf_config(Path(path), seq_len)
     with torch.device("meta"):
         model = build_model(fc)

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from allhands.models.layers import (Attention, RMSNorm, SwiGLU, document_mask, rope_frequencies,
                                     rope_table)
+from allhands.models.moe import GroupedExperts, MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2 / 2.5
     qk_norm: bool = False  # Qwen3
     tie_embeddings: bool = False
+    moe: MoEArgs = MoEArgs()  # n_experts > 0: MoE feed-forward in the layers moe.is_moe names
     doc_token: int = -1  # >= 0: rows are packed documents ending in this token (document masks)
 
     @property
@@ -72,16 +74,18 @@ class LlamaConfig:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.hd % 2:
             raise ValueError(f"head_dim={self.hd} must be even for RoPE")
+        self.moe.check()
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.hd, qkv_bias=cfg.qkv_bias,
                               qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.hidden)
+        self.mlp = (MoE(cfg.dim, cfg.hidden, cfg.moe) if cfg.moe.is_moe(layer)
+                    else SwiGLU(cfg.dim, cfg.hidden))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,7 +99,7 @@ class Llama(nn.Module):
         cfg.check()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -112,6 +116,10 @@ class Llama(nn.Module):
                                c.rope_original_seq_len)
         cos, sin = rope_table(inv, c.seq_len)
         self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        for m in self.modules():
+            if isinstance(m, MoE):  # the balancing bias starts at zero; a checkpoint may load it
+                m.router.expert_bias.zero_()
+                m.load.zero_()
 
     def init_weights(self) -> None:
         """Normal(0, 0.02) matrices, zero biases, unit norms; residual outputs (o_proj,
@@ -126,6 +134,8 @@ class Llama(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 m.reset_parameters()
+            elif isinstance(m, GroupedExperts):
+                m.reset_parameters(0.02, std_out)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``idx``: token ids ``(B, T)``, or on a later pipeline stage the hidden state

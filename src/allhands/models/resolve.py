@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from allhands.config import Config
-from allhands.models.build import section_of, with_preset
+from allhands.models.build import moe_section, section_of, with_preset
 from allhands.models.hf import hf_config, is_hf_dir
 
 
@@ -24,6 +24,9 @@ def resolve_model(cfg: Config) -> Config:
         if model.family == "llama":
             model.seq_len = m.seq_len  # the training length; RoPE needs no table from the file
         model.max_positions = positions
+        moe = moe_section(fc.moe, cfg.moe) if model.family == "llama" else cfg.moe
     else:
-        model = with_preset(cfg.model)
-    return cfg if model == cfg.model else dataclasses.replace(cfg, model=model)
+        model, moe = with_preset(cfg.model), cfg.moe
+    if model == cfg.model and moe == cfg.moe:
+        return cfg
+    return dataclasses.replace(cfg, model=model, moe=moe)

@@ -22,7 +22,9 @@ import torch.nn as nn
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.memory import log_memory, state_bytes
 from allhands.mesh import Mesh
+from allhands.models.moe import set_aux_scale, update_expert_bias
 from allhands.optim import build_optimizer
+from allhands.parallel.expert import reduce_expert_grads
 from allhands.parallel.context import ContextParallel
 from allhands.parallel.parallelize import clip_grad_norm, parallelize
 from allhands.parallel.pipeline import Pipeline, build_pipeline, clip_grads, global_grad_norm
@@ -105,6 +107,10 @@ class Layout:
         """Forward and backward of one micro-batch, its loss scaled by ``scale``; returns that
         loss, or None on a rank without the last stage. ``on_loss`` sees the loss before
         backward (fault injection); a pipeline's schedule computes its loss inside and skips it."""
+        # MoE auxiliary losses get the weight of the loss they join (models/moe.py: AuxLoss)
+        per_chunk = scale / self.pipeline.n_microbatches if self.pipeline is not None else scale
+        for part in self.parts:
+            set_aux_scale(part, per_chunk)
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
@@ -123,11 +129,13 @@ class Layout:
         """After the step's last backward: tied copies on different stages sum their gradients."""
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads()
+        if self.mesh.size("ep") > 1 and self.zero < 2:
+            reduce_expert_grads(self.parts, self.mesh)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (0: only measure) the norm of the whole model's gradient; returns it."""
         params = [q for part in self.parts for q in part.parameters()]
-        if self.pipeline is None and self.mesh.size("tp") == 1:
+        if self.pipeline is None and self.mesh.size("tp") == 1 and self.mesh.size("ep") == 1:
             return clip_grad_norm(params, max_norm if max_norm > 0 else math.inf)
         # the norm of the whole model: over tp/FSDP shards (mixed meshes) and pipeline stages
         pp_group = self.mesh.group("pp") if self.pipeline is not None else None
@@ -210,6 +218,11 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
     if mesh.size("cp") > 1:  # the model masks documents by this token (data.packing=mask)
         cp = ContextParallel(mesh, doc_token=getattr(getattr(model, "cfg", None), "doc_token", -1))
     optimizer = build_optimizer(parts, cfg)
+    if cfg.moe.n_experts and cfg.moe.balance == "bias":
+        # DeepSeek-V3's bias step after each update, on loads summed over the data ranks
+        optimizer.register_step_post_hook(
+            lambda *_: [update_expert_bias(part, mesh.dp_group if mesh.dp_size > 1 else None)
+                        for part in parts])
     if p.zero == 1:
         optimizer = apply_zero1(optimizer, mesh)
     return Layout(parts, wrapped[0] if len(wrapped) == 1 else wrapped, optimizer, mesh, loss_fn,

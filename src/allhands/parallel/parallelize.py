@@ -17,11 +17,14 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allhands.mesh import Mesh
 from allhands.parallel.ac import apply_ac
 from allhands.parallel.ddp import apply_ddp, apply_replicate
+from allhands.parallel.expert import apply_ep, ddp_ignored, shard_experts
 from allhands.parallel.fsdp import apply_fsdp
 from allhands.parallel.tensor import PlanFn, TPPlan, apply_tp
 
@@ -57,6 +60,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     """
     if mesh.size("tp") > 1:
         apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
+    if mesh.size("ep") > 1:  # after TP, before AC and FSDP, as torchtitan's parallelize_deepseekv3
+        apply_ep(model, mesh)
     blocks = transformer_blocks(model)
     if ac != "none":
         if blocks is None:
@@ -72,12 +77,17 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
             block.compile()
     if zero >= 2:
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ())
+        if mesh.size("ep") > 1:  # experts first: a unit of their own over edp
+            shard_experts(model, mesh, reshard_after_forward=zero == 3,
+                          mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                         reduce_dtype=reduce_dtype))
         return apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,
                           hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     over = mesh.grad_dim(replicate)  # dp (or dp_shard), with the cp ranks under context parallel
     if mesh.size(over) > 1:
         if pipeline_stage:
             return apply_replicate(model, mesh, over=over)
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ddp_ignored(model))
         return apply_ddp(model, mesh, bucket_mb=bucket_mb, over=over)
     return model
 

@@ -68,7 +68,7 @@ def ps_roles(servers: int, rank: int, world: int, timeout_s: float) -> Roles:
         index = rank if server else group.group
         store = sealed(dist.TCPStore(group.host, group.port, is_master=False,
                                      timeout=datetime.timedelta(seconds=timeout_s)), group.secret,
-                       f"parameter-server link store at {group.host}:{group.port}")
+                       f"parameter-server link store at {group.host}:{group.port}", tolerant=True)
         return Roles(server, index, servers if server else 1, n_workers, servers,
                      n_workers + index if server else index, n_workers + servers, None, None, store,
                      group.secret)

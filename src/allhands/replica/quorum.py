@@ -97,10 +97,13 @@ class ReplicaQuorum:
 
     # -- forming a quorum
     def _latest(self) -> Quorum | None:
-        if not self.store.check(["epoch"]):
-            return None
-        e = int(self.store.get("epoch"))
-        return Quorum.decode(e, self.store.get(f"q/{e}/members"))
+        e = int(self.store.get("epoch")) if self.store.check(["epoch"]) else 0
+        if self.quorum is not None and self.quorum.qid > e:
+            # ``epoch`` is gone or forged and its writer (who alone read it) died: this member's
+            # own quorum is at least as new, so it is re-derived from that and written back
+            e = self.quorum.qid
+            self.store.compare_set("epoch", "", str(e))  # over a forged value as over none
+        return Quorum.decode(e, self.store.get(f"q/{e}/members")) if e else None
 
     def _may_close(self, prev: Quorum | None, waited: float) -> bool:
         if prev is None or waited >= self.dead_s:

@@ -49,7 +49,7 @@ def run_group(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv, t: float) -> d
     run_dir = Path(cfg.run.dir)
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     store = sealed(dist.TCPStore(rep.host, rep.port, is_master=False, timeout=timeout), rep.secret,
-                   f"replica store at {rep.host}:{rep.port}")
+                   f"replica store at {rep.host}:{rep.port}", tolerant=True)
     life = shared_token(mesh.cpu_group() if mesh.world_size > 1 else None)  # a group's ranks share it
     spares.register(store, life)  # every rank's process, for the launcher's failure notice
     if store.check(["done"]):  # a restart that came up after the others completed the job

@@ -1,0 +1,218 @@
+"""The modes beyond lock-step under a stranger who reaches their stores: the replica groups'
+quorum store (with a spare, through a SIGKILL's recovery) and the parameter server's link store
+(fault.mode=replica). Each job is `allhands train`, as a user starts it; while it runs, the test
+reads which sockets its processes listen on (/proc, as test_security_network.py) and, as
+another local process without the job secret, forges the keys the mode decides on (created,
+overwritten, voted ahead) and sends malformed frames. The job must finish every step with the
+parameters it has undisturbed, name each forged key, and print no C++ stack trace.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import socket
+import stat
+import struct
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import ALLHANDS, ROOT, TINY, tiny_config
+from test_parity import max_rel_diff, reference_params, trained_params
+from test_security_network import _descendants, _listeners
+
+from allhands.errors import LaunchError
+from allhands.launch.replicas import check_groups, see_logs
+
+
+_SEALED = 48  # MAC and nonce ahead of every value: a stranger reads the value behind them
+
+
+def _garbage(port: int) -> None:
+    """Malformed frames, as a stranger's client sends them: an oversized key length, an
+    oversized value length, a truncated key (TCPStore's wire format: a command byte, then
+    64-bit lengths)."""
+    hello = b"\x00" + struct.pack("<I", 0x3C85F7CE)  # the store's validation frame
+    for frame in (b"\x01" + struct.pack("<Q", 2 ** 40) + b"key",
+                  b"\x01" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 2 ** 50),
+                  b"\x03" + struct.pack("<Q", 9) + b"ab"):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(hello + frame)
+            time.sleep(0.1)
+
+
+class Job:
+    """`allhands train` in a subprocess: its stderr collected by a thread, the store's port
+    taken from the launcher's line, and the listeners of its processes sampled while it runs."""
+
+    def __init__(self, sets: list[str], env: dict, store_line: str):
+        cmd = [*ALLHANDS, "train", "--nproc", sets.pop(0)] + [a for s in sets for a in ("--set", s)]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self.listening: set[tuple[str, int, int]] = set()
+        self._pattern = re.compile(store_line + r" on 127\.0\.0\.1:(\d+) only")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = self._pattern.search(line)
+            if m:
+                self.port = int(m.group(1))
+
+    def store(self) -> dist.TCPStore:
+        deadline = time.monotonic() + 180
+        while self.port is None:
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)[-3000:]
+            time.sleep(0.05)
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=10))
+
+    def sample(self) -> None:
+        self.listening |= set(_listeners(_descendants(self.proc.pid)))
+
+    def finish(self, timeout: float = 400) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+        time.sleep(0.2)
+        return "".join(self.lines)
+
+
+def _until(what, job: Job, timeout: float = 180):
+    deadline, sampled = time.monotonic() + timeout, 0.0
+    while not (got := what()):
+        assert job.proc.poll() is None and time.monotonic() < deadline, "".join(job.lines)[-3000:]
+        if time.monotonic() - sampled > 0.5:  # reading /proc is slow: the strike must not wait
+            job.sample()
+            sampled = time.monotonic()
+        time.sleep(0.005)
+    return got
+
+
+def _steps(raw: dist.TCPStore) -> list[tuple[int, int]]:
+    """(quorum, step) of the votes in the store now: the steps being reduced."""
+    return [(int(m[1]), int(m[2])) for k in raw.list_keys() if (m := re.match(r"ok/(\d+)/(\d+)/", k))]
+
+
+def _sets(token_dir: Path, run: Path, *extra: str) -> list[str]:
+    return [*TINY, f"data.path={token_dir}", f"run.dir={run}", "run.threads=1", *extra]
+
+
+def _assert_private(run: Path, dirs: list[str], files: list[str]) -> None:
+    for name, mode in [*((d, 0o700) for d in dirs), *((f, 0o600) for f in files)]:
+        got = stat.S_IMODE((run / name).stat().st_mode)
+        assert got == mode, f"{name}: mode {got:o}, not {mode:o}"
+
+
+def _assert_told(out: str, keys: list[str], processes: int) -> None:
+    """Each forged key named (once per process that read it, at most), no C++ trace in the log,
+    and the malformed frames said in allhands' own line."""
+    for key in keys:
+        n = out.count(f"intrusion: ignored key {key!r}")
+        assert 1 <= n <= processes, (key, n, out[-4000:])
+    assert "dropped a malformed frame" in out, out[-3000:]
+    assert "frame #" not in out and "Exception raised from" not in out, out[-3000:]
+
+
+def _assert_loopback(job: Job, at_least: int) -> None:
+    ports = {port for _, port, _ in job.listening}
+    assert job.port in ports and len(job.listening) >= at_least, job.listening
+    bad = [e for e in job.listening if not ipaddress.ip_address(e[0]).is_loopback]
+    assert not bad, f"listening beyond loopback: {bad}"
+
+
+def test_replica_job_with_a_spare_under_forged_votes_joins_deaths_and_done(token_dir, tmp_path, cli_env):
+    """Two groups and a spare; group 1 is SIGKILLed at step 8 of 16 and the spare takes its
+    place. From the first quorum on, the stranger creates ``done`` and ``stop``, a death notice
+    of the live group 0, a hand-over to the spare and the next quorum; overwrites ``epoch``,
+    ``joiners`` and ``life/0``; votes the next steps ``abort``; sends malformed frames; and after
+    the kill votes ahead in the new quorum and overwrites ``life/1``."""
+    run = tmp_path / "run"
+    job = Job(["2", *_sets(token_dir, run, "run.steps=16", "fault.mode=replica", "fault.spares=1",
+                            "fault.max_restarts=1", "fault.inject=1:8:SIGKILL", "parallel.timeout_s=60",
+                            "fault.quorum_timeout_s=0.5", "fault.min_groups=2")],
+              cli_env, "quorum store")
+    raw = job.store()
+    _until(lambda: raw.check(["epoch", "life/0", "life/1"]) and _steps(raw), job)
+    epoch = int(raw.get("epoch")[_SEALED:])
+    life0 = raw.get("life/0")[_SEALED:].decode()
+    spare = _until(lambda: [k for k in raw.list_keys() if k.startswith("spare/")], job)[0]
+    step = max(s for _, s in _steps(raw))
+    forged = {"done": b"3", "stop": b"15", f"dead/{life0}": b"1", spare: b"0:live",
+              f"q/{epoch + 1}/members": b"0;0:0:x", "epoch": b"1", "joiners": b"0", "life/0": b"x",
+              **{f"d/{epoch}/{s}": b"abort" for s in range(step + 1, 12)}}
+    for key, value in forged.items():
+        raw.set(key, value)
+    _garbage(job.port)
+    # after the kill: a new quorum; vote its next steps ahead and overwrite the new holder
+    _until(lambda: raw.check(["epoch"]) and raw.get("epoch")[_SEALED:] not in (b"", str(epoch).encode()), job)
+    later = int(raw.get("epoch")[_SEALED:])
+    after = {"life/1": b"y"} | {f"d/{later}/{s}": b"abort" for s in range(8, 17)}
+    for key, value in after.items():
+        raw.set(key, value)
+    out = job.finish()
+    assert job.proc.returncode == 0, out[-4000:]
+    cfg = tiny_config(token_dir, run, "run.steps=16")
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m][-1] == 16, out[-3000:]
+    assert "spare pid" in out and "takes its place" in out, out[-3000:]
+    assert max_rel_diff(trained_params(cfg), reference_params(cfg, shares=2)) <= 1e-5
+    _assert_told(out, [k for k in forged if not k.startswith("d/")] + ["life/1"], processes=5)
+    assert f"intrusion: ignored key 'd/{epoch}/" in out, out[-3000:]  # a vote ahead, read as absent
+    _assert_loopback(job, at_least=4)  # the store, the groups' own stores and gloo
+    _assert_private(run, ["replicas", "replicas/group-1", "replicas/spare-0"], ["replicas/notices.jsonl"])
+
+
+def test_ps_job_in_replica_mode_under_forged_lives_and_done(token_dir, tmp_path, cli_env):
+    """Two workers and a server, each a world of its own (fault.mode=replica). The stranger
+    overwrites worker 0's and the server's incarnations, creates worker 1's ``done/1`` and a
+    fourth incarnation's pid, and sends malformed frames: every push is applied once, every step
+    is trained."""
+    run, steps = tmp_path / "run", 48
+    job = Job(["3", *_sets(token_dir, run, "parallel.sync=ps", "ps.mode=async", f"run.steps={steps}",
+                            "log.interval=8", "data.eval_batches=0", "fault.mode=replica",
+                            "parallel.timeout_s=60")],
+              cli_env, "link store")
+    raw = job.store()
+    _until(lambda: raw.check(["life/0", "life/1", "slife/0", "pid/1/1"]), job)
+    forged = {"life/0": b"0", "slife/0": b"0", "done/1": b"1", "pid/0/1": b"4242", "life/1": b"1"}
+    for key, value in forged.items():
+        raw.set(key, value)
+    _garbage(job.port)
+    while job.proc.poll() is None:
+        job.sample()
+        time.sleep(0.05)
+    out = job.finish()
+    assert job.proc.returncode == 0, out[-4000:]
+    (stats,) = [json.loads(p.read_text()) for p in sorted((run / "ps").glob("server*.json"))]
+    assert stats["updates"] == stats["pushes"] == 2 * steps, stats
+    _assert_told(out, ["life/0", "slife/0", "life/1"], processes=4)
+    _assert_loopback(job, at_least=4)
+    _assert_private(run, ["ps-servers", "replicas", "replicas/group-1", "replicas/group-1/ps-worker"], [])
+
+
+def test_a_failed_world_names_the_logs_that_exist(tmp_path):
+    """Every slot failed: the line names the failed slots' own logs directories (a group's under
+    replicas/group-N, a spare's under replicas/spare-K), never a RUN/logs that was not written."""
+    run = tmp_path / "run"
+    (run / "replicas" / "group-1" / "logs").mkdir(parents=True)
+    (run / "replicas" / "spare-0" / "logs").mkdir(parents=True)
+    with pytest.raises(LaunchError) as e:
+        check_groups([1, 2], 2, run, groups=2)
+    assert str(run / "replicas" / "group-1" / "logs") in str(e.value)
+    assert str(run / "replicas" / "spare-0" / "logs") in str(e.value)
+    assert str(run / "logs") + "," not in str(e.value) and not str(e.value).endswith(str(run / "logs"))
+    (run / "ps-servers" / "logs").mkdir(parents=True)
+    assert see_logs([run / "ps-servers", run / "replicas" / "group-1" / "ps-worker"], run) == \
+        str(run / "ps-servers" / "logs")
+    assert see_logs([run / "nowhere"], run) == str(run)
