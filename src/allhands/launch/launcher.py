@@ -208,8 +208,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     Interrupted with one line when SIGINT, SIGTERM or SIGUSR1 stopped it (stop.py).
     """
     spec = spec.validated()
-    warning = oversubscribed(spec.nproc, usable_cores())
-    if warning:
+    if warning := oversubscribed(spec.nproc, usable_cores()):
         print(warning, file=sys.stderr, flush=True)
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
     _quiet_intrusions_in_threads()
@@ -219,8 +218,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     # and hold the launcher's output open for seconds after it exits.
     if callable(entrypoint):
         forkstart.ensure_server()
-    if policy is None:
-        policy = script_policy(spec)
+    policy = policy or script_policy(spec)  # a script's: the same restart default as `train`
 
     def attempt(n: int, heartbeat_dir: Path) -> None:
         # The workers inherit these; worker_env() reads them back.
@@ -391,8 +389,7 @@ def rendezvous_timeouts(cfg: Config):
 
 
 def script_policy(spec: LaunchSpec) -> RestartPolicy:
-    """``allhands launch SCRIPT``'s: a training job's (fault.*), without the hang watchdog (a
-    script's workers beat only inside ``allhands.train``)."""
+    """A script's: a training job's (fault.*), no hang watchdog (it beats only in allhands.train)."""
     return dataclasses.replace(restart_policy(Config(), spec), hang_timeout_s=0.0)
 
 
