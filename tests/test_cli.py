@@ -58,7 +58,8 @@ def test_launch_runs_a_user_script_with_the_python_api(tmp_path, cli_env):
 
 def test_a_worker_that_raises_stops_the_job_and_keeps_checkpoints(tmp_path, cli_env):
     run_dir = tmp_path / "flaky"
-    r = run(["launch", "--nproc", "2", "tests/scripts/failing_job.py", str(run_dir)], cli_env)
+    # recovery is on by default for a script too (as for `train`): off here, to see the stop
+    r = run(["launch", "--nproc", "2", "--max-restarts", "0", "tests/scripts/failing_job.py", str(run_dir)], cli_env)
     assert r.returncode == 1
     summary = [line for line in r.stderr.splitlines() if line.startswith("allhands: error:")]
     assert len(summary) == 1, r.stderr

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lockstep",),  # the common path of a worker: mesh -> Trainer -> fit
     ("worker", "ps.start", "replica.start"),  # each mode's start-up; the worker's registry of them
     ("launch",),
-    ("drill", "allhands", "plan.check", "plan.calibrate"),  # "allhands": the package itself, the Python API
+    ("drill", "chaos", "allhands", "plan.check", "plan.calibrate"),  # "allhands": the package itself, the Python API
     ("cli",),
 ]
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from allhands.config import Config, apply_override
-from allhands.launch.launcher import LaunchSpec, restart_policy
+from allhands.launch.launcher import LaunchSpec, restart_policy, script_policy
 from allhands.launch.policy import (FATAL_CAUSES, MAX_FLAKE_RETRIES, JobRestarts, RestartPolicy,
                                     bug_signature)
 from allhands.launch.stop import Stopped
@@ -222,3 +222,11 @@ def test_restart_policy_comes_from_the_config_and_the_command_line_wins():
                                                                 hang_timeout_s=7)
     assert restart_policy(cfg, LaunchSpec(max_restarts=0)).max_restarts == 0
     assert restart_policy(cfg, LaunchSpec(max_restarts=5)).max_restarts == 5
+
+
+def test_launch_and_train_share_one_restart_default():
+    train = restart_policy(Config(), LaunchSpec())
+    script = script_policy(LaunchSpec())
+    assert script.max_restarts == train.max_restarts == Config().fault.max_restarts > 0
+    assert script.backoff_s == train.backoff_s and script.hang_timeout_s == 0
+    assert script_policy(LaunchSpec(max_restarts=0)).max_restarts == 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from allhands.checkpoint import committed, load_weights
-from allhands.paths import group_dir
+from allhands.paths import group_dir, restart_logs
 from allhands.config import Config
 from allhands.errors import ConfigError
 from allhands.faults import Fault, fired_at, plan_faults
@@ -50,9 +50,11 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
-def _restarts(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "restarts.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def restarts(run_dir: Path) -> list[dict]:
+    """Every world's restart records (paths.restart_logs), each with its ``world``, by time."""
+    out = [{**json.loads(line), "world": world} for world, path in restart_logs(run_dir).items()
+           for line in path.read_text().splitlines() if line]
+    return sorted(out, key=lambda e: e["failed_at"])
 
 
 def analyse(plan: list[Fault], run_dir: Path) -> list[FaultRow]:
@@ -60,7 +62,7 @@ def analyse(plan: list[Fault], run_dir: Path) -> list[FaultRow]:
     ``time`` in metrics.jsonl is when rank 0 logged it, i.e. just after it completed."""
     fired = fired_at(run_dir)
     steps = _metrics(run_dir)
-    events = sorted(_restarts(run_dir), key=lambda e: e["failed_at"])
+    events = restarts(run_dir)
     rows = []
     for f in sorted(plan, key=lambda f: fired.get(str(f), float("inf"))):
         row = FaultRow(f, fired.get(str(f)))
@@ -187,10 +189,10 @@ def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
     if base.exists() and any(base.iterdir()):
         raise ConfigError(f"run.dir: {str(base)!r} is not empty; a drill needs a fresh directory")
 
-    def variant(name: str, inject: str, restarts: int) -> Config:
+    def variant(name: str, inject: str, max_restarts: int) -> Config:
         c = Config.from_dict(cfg.to_dict())
         c.run.dir, c.fault.inject, c.log.interval, c.log.progress = str(base / name), inject, 1, False
-        c.fault.max_restarts = restarts
+        c.fault.max_restarts = max_restarts
         c.checkpoint.keep_last = max(c.checkpoint.keep_last, 2)
         return c
 
@@ -200,8 +202,9 @@ def run_drill(cfg: Config, spec, *, faults: int, seed: int, out=sys.stdout,
     t0 = time.time()
     hit_cfg = train_job(variant("faulted", spec_str, max(cfg.fault.max_restarts, faults + 2)), spec)
     wall = time.time() - t0
-    if cfg.fault.mode == "replica" and world > 1:
-        return _replica_report(cfg, plan, Path(ref_cfg.run.dir), Path(hit_cfg.run.dir), world, wall, base, out)
+    if cfg.fault.mode == "replica" and world > 1:  # a parameter server's worker worlds, or the groups
+        groups = world - cfg.ps.servers if cfg.parallel.sync == "ps" else world
+        return _replica_report(cfg, plan, Path(ref_cfg.run.dir), Path(hit_cfg.run.dir), groups, wall, base, out)
     rows = analyse(plan, Path(hit_cfg.run.dir))
     equal = same_parameters(ref_cfg, Path(ref_cfg.run.dir), Path(hit_cfg.run.dir))
     print(table(rows), file=out)

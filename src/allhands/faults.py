@@ -13,7 +13,8 @@ Kinds:
   stop at the end of this step (stopflag.py);
 - ``launcher-SIGNAL`` (SIGINT, SIGTERM, SIGUSR1): the worker sends the signal to its launcher
   after the forward pass and waits until the launcher has forwarded it back, so that the job
-  stops cleanly at the end of exactly this step (how the tests time a Ctrl-C);
+  stops cleanly at the end of exactly this step (how the tests time a Ctrl-C); ``launcher-SIGKILL``:
+  the launcher dies at once, and its workers, sent SIGINT as it goes, stop after this step;
 - ``exception`` / ``oom``: raise ``RuntimeError`` / ``torch.OutOfMemoryError`` after forward;
 - ``hang``: sleep forever before the step starts (the hang watchdog must find it);
 - ``nan``: multiply this rank's loss by NaN (the gradients all-reduce to NaN everywhere);
@@ -104,7 +105,7 @@ def parse_faults(spec: str) -> list[Fault]:
             ok = ok and factor.replace(".", "", 1).isdigit() and float(factor) > 1
         elif kind.lower().startswith("launcher-"):
             kind = "launcher-" + kind[len("launcher-"):].upper()
-            ok = ok and kind[len("launcher-"):] in {s.name for s in STOP_SIGNALS}
+            ok = ok and kind[len("launcher-"):] in {s.name for s in STOP_SIGNALS} | {"SIGKILL"}
         elif kind.upper().startswith("SIG"):
             kind = kind.upper()
             ok = isinstance(getattr(signal, kind, None), signal.Signals)
@@ -112,7 +113,7 @@ def parse_faults(spec: str) -> list[Fault]:
             ok = kind in KINDS
         if not ok:
             raise ConfigError(f"fault.inject: {item!r} is not RANK:STEP:KIND with STEP >= 1 and KIND "
-                              f"a signal name (SIGKILL, SIGTERM, ...), launcher-SIGINT|SIGTERM|SIGUSR1, slow=F "
+                              f"a signal name (SIGKILL, SIGTERM, ...), launcher-SIGINT|SIGTERM|SIGUSR1|SIGKILL, slow=F "
                               f"with F > 1, or one of "
                               f"{', '.join(KINDS)}")
         out.append(Fault(int(parts[1]), int(parts[0]), kind))
@@ -204,7 +205,8 @@ class FaultInjector:
             os.kill((worker_env().launcher_pid or os.getppid()) if f.to_launcher else os.getpid(), f.signal)
             # A stop signal comes back (forwarded) or is handled here: the step goes on and the
             # job stops after it. Another signal's default action may take a moment.
-            FLAG.wait(60) if f.signal in STOP_SIGNALS else time.sleep(60)
+            # A killed launcher's workers get SIGINT as its forkserver ends (forkstart.py): a stop.
+            FLAG.wait(60) if f.signal in STOP_SIGNALS or f.to_launcher else time.sleep(60)
         elif f is not None and f.kind == "oom":
             raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} ({f})")
         elif f is not None:

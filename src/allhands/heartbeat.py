@@ -7,13 +7,16 @@ whether an attempt completed a step before it failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+WAIT_BEAT_S = 1.0  # how often a rank waiting on another world's process beats
 
 # A beat costs the loop an assignment; a thread writes the newest one at most this often. The
 # file is then at most this much older than the beat, far below any sensible hang timeout.
@@ -39,6 +42,8 @@ class Heartbeat:
         self._written: tuple[int, float, bool] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._waits = 0  # callers inside ``waiting()``
+        self._wait_thread: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
     def beat(self, step: int, done: bool = False) -> None:
@@ -76,6 +81,35 @@ class Heartbeat:
             tmp.write_text(f"{self.pid} {step} {t!r} {self.host} {int(done)} {self.first}\n")
             os.replace(tmp, self.path)
             self._written = latest
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Beat the last step again about once a second while the caller waits on a process of
+        another world (a parameter server, launch/psgroups.py), whose own watchdog judges it:
+        the wait is that process's, so this rank must not be the one blamed for a hang. A rank
+        that is itself stopped (SIGSTOP) or hung outside such a wait stops beating all the same."""
+        if self.path is None:
+            yield
+            return
+        with self._lock:
+            self._waits += 1
+            if self._wait_thread is None:
+                self._wait_thread = threading.Thread(target=self._beat_while_waiting, daemon=True,
+                                                     name="allhands-heartbeat-wait")
+                self._wait_thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waits -= 1
+
+    def _beat_while_waiting(self) -> None:
+        while True:
+            time.sleep(WAIT_BEAT_S)
+            latest = self._latest
+            if self._waits and latest is not None and not latest[2]:
+                self._latest = (latest[0], time.time(), False)
+                self._write()
 
 
 @dataclass

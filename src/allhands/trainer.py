@@ -118,6 +118,7 @@ class Trainer:
         self._first: tuple[int, Any] | None = None  # (step, batch) read ahead for the FLOP count
         self.hooks = hooks or LoopHooks()
         self.resume = True  # False: a replica-mode spare that takes its state from live peers
+        self.resume_also: list[Path] = []  # other replica groups' checkpoints (replica/start.py)
 
     def move_to(self, run_dir: Path) -> None:
         """Write metrics and checkpoints under ``run_dir`` instead, before ``fit``: replica mode's
@@ -146,7 +147,7 @@ class Trainer:
             return state
 
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.mesh.is_main else (lambda m: None)
-        loaded = self.ckpt.load_latest(state_for, warn)
+        loaded = self.ckpt.load_latest(state_for, warn, also=self.resume_also)
         if loaded is None:
             return False
         step, path = loaded

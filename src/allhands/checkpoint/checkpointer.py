@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -329,12 +329,17 @@ class Checkpointer:
                                   f"it may be from another model or config, or damaged") from e
 
     def load_latest(self, state_for: Callable[[int, Path], dict[str, Stateful]],
-                    warn: Callable[[str], None]) -> tuple[int, Path] | None:
+                    warn: Callable[[str], None], also: Iterable[Path] = ()) -> tuple[int, Path] | None:
         """Load the newest committed checkpoint that verifies; a damaged one is named in one
         line and the previous one is tried. Raises the newest one's error if none loads.
-        Every rank reads the same files, so every rank settles on the same checkpoint."""
+        Every rank reads the same files, so every rank settles on the same checkpoint.
+        ``also``: more checkpoint directories whose commits count as this job's (replica groups,
+        which hold the same state: a group may resume from the newest step any group committed);
+        at the same step this directory's own comes first."""
         first_error: CheckpointError | None = None
-        for step, path in reversed(committed(self.dir)):
+        mine = [(step, 1, path) for step, path in committed(self.dir)]
+        theirs = [(step, 0, path) for d in also if Path(d) != self.dir for step, path in committed(Path(d))]
+        for step, _, path in sorted(mine + theirs, reverse=True):
             try:
                 verify_manifest(path)
                 self.load(path, state_for(step, path), verify=False)

@@ -113,6 +113,13 @@ def cmd_drill(args: argparse.Namespace) -> int:
         raise ConfigError(f"--faults: {args.faults} is not allowed; must be >= 1")
     cfg = load_config(args.config, args.set)
     validate(cfg)
+    if args.chaos is not None:
+        from allhands.chaos.run import run_chaos
+
+        if args.chaos <= 0:
+            raise ConfigError(f"--chaos: {args.chaos:g} is not allowed; must be > 0 seconds")
+        return 0 if run_chaos(cfg, _spec(args), config_path=args.config, sets=args.set,
+                              duration_s=args.chaos, seed=args.seed) else 1
     return 0 if run_drill(cfg, _spec(args), faults=args.faults, seed=args.seed) else 1
 
 
@@ -150,6 +157,9 @@ def add_parsers(sub) -> None:
     job_args(d)
     d.add_argument("--faults", type=int, default=3, help="faults to inject (default 3)")
     d.add_argument("--seed", type=int, default=0, help="seed of the fault plan (default 0)")
+    d.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
+                   help="chaos mode: one random fault of any kind per 10 s of SECONDS over one run, "
+                        "then the invariant checker's table (docs/faults.md)")
     _add_launch_args(d)
     d.set_defaults(fn=cmd_drill)
 

@@ -41,8 +41,6 @@ from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.supervisor import supervise
 
 
-
-
 def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
@@ -211,8 +209,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     Interrupted with one line when SIGINT, SIGTERM or SIGUSR1 stopped it (stop.py).
     """
     spec = spec.validated()
-    warning = oversubscribed(spec.nproc, usable_cores())
-    if warning:
+    if warning := oversubscribed(spec.nproc, usable_cores()):
         print(warning, file=sys.stderr, flush=True)
     _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
     _quiet_intrusions_in_threads()
@@ -222,8 +219,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     # and hold the launcher's output open for seconds after it exits.
     if callable(entrypoint):
         forkstart.ensure_server()
-    if policy is None:
-        policy = RestartPolicy(max_restarts=max(0, spec.max_restarts))
+    policy = policy or script_policy(spec)  # a script's: the same restart default as `train`
 
     def attempt(n: int, heartbeat_dir: Path) -> None:
         # The workers inherit these; worker_env() reads them back.
@@ -394,9 +390,13 @@ def rendezvous_timeouts(cfg: Config):
     return Timeouts(join_s=f.rdzv_join_timeout_s, last_call_s=f.rdzv_last_call_s, node_s=f.node_timeout_s)
 
 
+def script_policy(spec: LaunchSpec) -> RestartPolicy:
+    """A script's: a training job's (fault.*), no hang watchdog (it beats only in allhands.train)."""
+    return dataclasses.replace(restart_policy(Config(), spec), hang_timeout_s=0.0)
+
+
 def restart_policy(cfg: Config, spec: LaunchSpec) -> RestartPolicy:
-    """The job's restart policy from ``fault.*``; ``--max-restarts`` (when given) wins over
-    ``fault.max_restarts``."""
+    """The job's restart policy from ``fault.*``; ``--max-restarts``, when given, wins."""
     f = cfg.fault
     restarts = spec.max_restarts if spec.max_restarts >= 0 else f.max_restarts
     return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s)

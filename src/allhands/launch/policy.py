@@ -77,8 +77,8 @@ def say(msg: str) -> None:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    # 0 here (no restarts unless asked: ``allhands launch SCRIPT`` owns its checkpoints); a
-    # training job gets fault.max_restarts, 3 by default.
+    # 0 here (a policy built by hand restarts nothing unless asked); ``allhands train`` and
+    # ``allhands launch SCRIPT`` both default to fault.max_restarts (3) (launcher.py).
     max_restarts: int = 0
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0

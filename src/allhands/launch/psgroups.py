@@ -12,20 +12,22 @@ and the workers, which keep their processes, link to the new incarnation (ps/lin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.env import PS_ENV
-from allhands.errors import ConfigError, LaunchError
-from allhands.launch import forkstart
-from allhands.launch.replicas import end_slots, see_logs, start_with_secret
+from allhands.errors import ConfigError, Interrupted, LaunchError
+from allhands.launch import forkstart, stop
+from allhands.launch.replicas import _descendants, _kill, end_slots, see_logs, start_with_secret, stop_signals_to
 from allhands.launch.storehost import HostedStore
 
 
@@ -66,11 +68,15 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         print(f"allhands: parameter server, replica mode: {workers} workers restarted alone, "
               f"{cfg.ps.servers} server(s); link store on 127.0.0.1:{store.port} only", file=sys.stderr,
               flush=True)
-        for p in procs:
-            p.join()
+        with _stop_handling(procs) as stopping:
+            _join(procs, stopping)
     finally:
         end_slots(procs)
         store.close()
+    if stopping.signum:
+        s = stop.Stopped(stopping.signum, clean=not stopping.killed)
+        raise Interrupted(stop.final_line(s, run_dir, stop.resume_command(spec, run_dir)),
+                          stop.exit_code(stopping.signum))
     if procs[-1].exitcode != 0 or all(p.exitcode != 0 for p in procs[:-1]):
         worlds = [run_dir / "ps-servers", *(group_dir(run_dir, g) / "ps-worker" for g in range(workers))]
         raise LaunchError(f"the parameter servers or every worker failed; see the lines above and "
@@ -87,6 +93,56 @@ def _group_main(cfg_dict: dict, job: Any, group: int, groups: int, port: int, la
     try:
         launch(entry, (cfg_dict, job), group_spec, threads=cfg.run.threads, log_dir=where / "logs",
                policy=policy, run_dir=where, checkpoints=resume, resume_dir=Path(cfg.run.dir))
+    except Interrupted as e:  # the job's launcher says the one line for the whole job
+        sys.exit(e.exit_code)
     except LaunchError as e:
         print(f"allhands: ps group {group}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+class _Stopping:
+    """A stop signal to this launcher: the first is forwarded to every world's launcher (each
+    stops its workers cleanly, launch/stop.py), and the servers' world, which serves no one once
+    every worker world ended, is ended then; a second kills every process of the job at once."""
+
+    def __init__(self, procs: list):
+        self.procs, self.signum, self.killed = procs, 0, False
+
+    def on_signal(self, signum: int, frame=None) -> None:
+        if self.signum:
+            self.killed = True
+            for p in self.procs:
+                _end_tree(p)
+            return
+        self.signum = signum
+        for p in self.procs:
+            if p.pid and p.is_alive():
+                _kill(p.pid, signum)
+
+
+def _join(procs: list, stopping: _Stopping) -> None:
+    """Wait for every world; on a stop, end the servers' world once the workers' have ended, and
+    afterwards every process a world left behind (its forkserver, resource tracker, workers)."""
+    try:
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.1)
+            if stopping.signum and procs[-1].is_alive() and not any(p.is_alive() for p in procs[:-1]):
+                _end_tree(procs[-1])
+    finally:
+        for p in procs:
+            _end_tree(p)
+            p.join()
+
+
+def _end_tree(p) -> None:
+    """SIGKILL a live world's launcher and every process below it (never a reaped pid)."""
+    if p.pid and p.is_alive():
+        for pid in [*_descendants(p.pid), p.pid]:
+            _kill(pid)
+
+
+@contextlib.contextmanager
+def _stop_handling(procs: list):
+    stopping = _Stopping(procs)
+    with stop_signals_to(stopping.on_signal):
+        yield stopping

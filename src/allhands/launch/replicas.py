@@ -88,6 +88,11 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
     finally:
         end_slots(procs)
         host.close()
+    if watcher.cut_short:  # a group ended while restarting holds the final state all the same
+        from allhands.replica.start import catch_up  # start-up time: the trainer's modules
+
+        for g in (i for i in watcher.cut_short if i < nproc):
+            catch_up(run_dir, g, nproc)
     codes = [p.exitcode for i, p in enumerate(procs) if i not in watcher.cut_short]
     signum = stopping.signum or next((signal_of(c) for c in codes if c and signal_of(c)), None)
     if signum:
@@ -298,10 +303,17 @@ def _kill(pid: int, signum: int = signal.SIGKILL) -> None:
 def _stop_handling(store: dist.Store, watcher: Watcher):
     """This launcher's stop signals, for the job's duration (main thread only)."""
     stopping = _Stopping(store, watcher)
-    main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, stopping.on_signal) for s in STOP_SIGNALS} if main else {}
-    try:
+    with stop_signals_to(stopping.on_signal):
         yield stopping
+
+
+@contextlib.contextmanager
+def stop_signals_to(handler: Callable):
+    """The stop signals go to ``handler`` while the block runs (main thread only)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if main else {}
+    try:
+        yield
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

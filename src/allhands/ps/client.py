@@ -64,6 +64,9 @@ class PSSync(ServerMessages, SyncStrategy):
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, list[Any]]] = []
         self.broken: set[int] = set()  # replica mode: servers whose link failed, until relinked
         self.faults = None  # the worker's FaultInjector (a ``ps-push`` fault), set by worker.py
+        # replica mode: the worker's heartbeat, kept fresh while it waits on a server (a stopped
+        # server is its own world's to find; ps/start.py)
+        self.heartbeat: Any = None
 
     def describe(self) -> str:
         q = self.q
@@ -212,8 +215,9 @@ class PSSync(ServerMessages, SyncStrategy):
         while self.broken:
             s = min(self.broken)
             self.broken.discard(s)
-            self.slife[s] = ps_links.relink(self.roles, self.mesh, self.wire, self.life, s, self.slife[s],
-                                            self.timeout_s)
+            with self._waiting():  # for the server's world to restart it
+                self.slife[s] = ps_links.relink(self.roles, self.mesh, self.wire, self.life, s,
+                                                self.slife[s], self.timeout_s)
             self._init_server(s, restore=True)
             if pull:
                 self._request(s, w.request(w.PULL, self.clock))

@@ -7,6 +7,8 @@ client.py ``_recover``). A mixin of ``PSSync``, which holds what these methods r
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -49,6 +51,12 @@ class ServerMessages:
             raise e
         self.broken.add(s)
 
+    def _waiting(self) -> contextlib.AbstractContextManager:
+        """Replica mode: the worker's heartbeat stays fresh while it waits on a server, whose own
+        world's watchdog judges it (ps/start.py sets ``heartbeat``)."""
+        hb = getattr(self, "heartbeat", None)
+        return hb.waiting() if hb is not None else contextlib.nullcontext()
+
     def _wait(self, posted: list[tuple[int, dist.Work | None, torch.Tensor, bool]]) -> bool:
         """Wait for posted sends (each holds its tensor until then) and count their payload;
         False if a link failed."""
@@ -56,7 +64,8 @@ class ServerMessages:
             try:
                 if s in self.broken or work is None:
                     continue
-                work.wait()
+                with self._waiting():
+                    work.wait()
             except RuntimeError as e:
                 self._broke(s, e)
                 continue

@@ -62,9 +62,9 @@ LoadFn = Callable[[int | None, dict[str, Stateful]], int | None]  # step (None: 
 
 class Server:
     def __init__(self, cfg: Config, roles: w.Roles, source: ps_links.AnySource | ps_links.Hub, *,
-                 save: SaveFn | None, load: LoadFn | None):
+                 save: SaveFn | None, load: LoadFn | None, heartbeat: Any = None):
         self.cfg, self.q, self.roles, self.source, self.wire = cfg, cfg.ps, roles, source, source.wire
-        self.save, self.load = save, load
+        self.save, self.load, self.heartbeat = save, load, heartbeat
         self.faults = FaultInjector(cfg.fault.inject, roles.rank, Path(cfg.run.dir))
         self.lr_scale = cfg.ps.lr / cfg.optim.lr if cfg.ps.lr else 1.0
         self.version = 0
@@ -92,7 +92,11 @@ class Server:
     def run(self) -> dict[str, Any]:
         t_start = self.t0 = time.perf_counter()
         idle_since = None  # when the last live worker was lost with others not done
+        beaten = 0.0
         while len(self.done) < self.roles.n_workers:
+            if self.heartbeat is not None and time.perf_counter() - beaten >= 0.5:  # the loop runs: alive
+                self.heartbeat.beat(self.version)
+                beaten = time.perf_counter()
             got = self.source.next(self.done)
             for k in self.source.finished - self.done:  # finished while this server restarted
                 self.done.add(k)
@@ -117,6 +121,8 @@ class Server:
             self._release()
             self.stats["busy_s"] += time.perf_counter() - t0
         self.stats["wall_s"] = time.perf_counter() - t_start
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.version, done=True)
         if self.save is not None and self.cfg.checkpoint.at_end and self.flat is not None:  # None: restarted
             # after every worker finished, so nothing to add to the last checkpoint
             self.save(max(self.clocks), {"ps": Shard(self)})
@@ -320,12 +326,12 @@ class Server:
 
 
 def serve(cfg: Config, roles: w.Roles, source: ps_links.AnySource | ps_links.Hub, run_dir: Path, *,
-          save: SaveFn | None = None, load: LoadFn | None = None) -> dict[str, Any]:
+          save: SaveFn | None = None, load: LoadFn | None = None, heartbeat: Any = None) -> dict[str, Any]:
     """Run this server until every worker is done; its statistics go to ``ps/server<i>.json``
     in the run directory (per-server load, bytes, staleness histogram, push times), and its
     load and bytes as one line of metrics.jsonl (appended after worker 0 closed it: the servers
     finish only after every worker's loop has)."""
-    stats = Server(cfg, roles, source, save=save, load=load).run()
+    stats = Server(cfg, roles, source, save=save, load=load, heartbeat=heartbeat).run()
     out = run_dir / "ps"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"server{roles.index}.json").write_text(json.dumps(stats, indent=1) + "\n")

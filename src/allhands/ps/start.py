@@ -12,8 +12,9 @@ from typing import Any
 
 from allhands.checkpoint import Checkpointer, committed
 from allhands.config import Config, validate
-from allhands.env import WorkerEnv, ps_env
+from allhands.env import WorkerEnv, ps_env, worker_env
 from allhands.faults import FaultInjector
+from allhands.heartbeat import Heartbeat
 from allhands.lockstep import build_mesh, said_since
 from allhands.mesh import Mesh
 from allhands.paths import group_dir
@@ -44,6 +45,7 @@ def run(cfg: Config, job: Job, env: WorkerEnv) -> dict[str, Any]:
         if member:  # its share of every batch; faults name the worker (ps/links.py)
             trainer.sampler = Share(trainer.sampler, roles.index, roles.n_workers)
             trainer.faults = trainer.strategy.faults = FaultInjector(cfg.fault.inject, roles.index, run_dir)
+            trainer.strategy.heartbeat = trainer.heartbeat
         said_since(env.rank, "building the data, model and layout", t)
         result = trainer.fit()
         trainer.strategy.finish()  # after the last evaluation, which fetches embedding rows too
@@ -89,7 +91,10 @@ def run_server(cfg: Config, roles: Roles, local_rank: int) -> dict[str, Any]:
     try:
         source = (Hub(roles, mesh, p.timeout_s) if roles.links is not None else
                   AnySource(mesh.cross_role_group(roles.cross_store, roles.rank, roles.world, p.timeout_s), roles))
-        return serve(cfg, roles, source, run_dir, save=ckpt.save, load=load)
+        # In replica mode the servers are a world of their own, whose watchdog finds a stopped
+        # or hung server by its heartbeat (the workers waiting on it keep theirs fresh)
+        beat = Heartbeat(worker_env().heartbeat_dir, roles.index) if roles.links is not None else None
+        return serve(cfg, roles, source, run_dir, save=ckpt.save, load=load, heartbeat=beat)
     finally:
         ckpt.close()
         mesh.destroy()

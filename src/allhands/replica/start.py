@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from allhands.authstore import sealed
+from allhands.checkpoint import committed
 from allhands.config import Config, replica_group_config, validate
 from allhands.env import ReplicaEnv, WorkerEnv, replica_env
 from allhands.faults import FaultInjector
@@ -51,7 +53,7 @@ def run_group(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv, t: float) -> d
     life = shared_token(mesh.cpu_group() if mesh.world_size > 1 else None)  # a group's ranks share it
     spares.register(store, life)  # every rank's process, for the launcher's failure notice
     if store.check(["done"]):  # a restart that came up after the others completed the job
-        return {}
+        return _came_late(run_dir, rep.group, rep.groups, store, mesh.rank)
     if cfg.fault.spares:  # any group whose holder died, or wait as a spare (one process a group)
         group = spares.claim(store, life, rep.group, rep.groups)
     else:  # this slot's group: its own ranks (FSDP inside a group) or, across nodes, its node's
@@ -64,7 +66,7 @@ def run_group(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv, t: float) -> d
     if group is None:
         got = spares.wait_as_spare(store, life, stop=lambda: _why_not(store))
         if got == "done":
-            return {}
+            return _came_late(run_dir, rep.group, rep.groups, store, mesh.rank)
         if isinstance(got, str):
             raise CleanStop(int(got), 0, None, run_dir)
         group, trainer.resume = got[0], not got[1]  # live peers: heal from them, load nothing
@@ -75,6 +77,8 @@ def run_group(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv, t: float) -> d
         spares.wait_for_spares(store, cfg.fault.spares, cfg.parallel.timeout_s)
     # faults name a rank as in the whole job's mesh (group G's local rank L is G * dp_shard + L;
     # G itself with one rank per group) and fire once per job
+    # A group with no live peer resumes from the newest step any group committed, not only its own
+    trainer.resume_also = [group_dir(run_dir, g) / "checkpoints" for g in range(rep.groups) if g != group]
     trainer.faults = FaultInjector(cfg.fault.inject, group * mesh.world_size + mesh.rank, run_dir)
     quorum = ReplicaQuorum(store, group, rep.groups, timeout_s=cfg.fault.quorum_timeout_s,
                            dead_s=cfg.parallel.timeout_s, pg_timeout_s=cfg.parallel.timeout_s,
@@ -84,7 +88,7 @@ def run_group(cfg: Config, job: Job, mesh: Mesh, rep: ReplicaEnv, t: float) -> d
     try:
         result = trainer.fit()
     except QuorumFinished:  # the others completed the job while this group was joining
-        return {}
+        return _came_late(run_dir, group, rep.groups, store, mesh.rank)
     except QuorumStopped as e:  # stopped while waiting: its last checkpoint is what it has
         raise CleanStop(e.signum, trainer.train_state.step, None, run_dir) from None
     replica.finish(trainer.train_state.step)
@@ -96,3 +100,42 @@ def _why_not(store) -> str | None:
     if store.check(["done"]):
         return "done"
     return store.get("stop").decode() if store.check(["stop"]) else None
+
+
+def _came_late(run_dir: Path, group: int, groups: int, store, rank: int) -> dict[str, Any]:
+    """A group (a restart or a spare) that came back after the others completed the job trains
+    nothing and writes nothing of its own: it takes the final checkpoint of a group that
+    finished (catch_up), so that no group's directory ends at a stale step, and says so."""
+    step = int(store.get("done").decode() or 0)
+    if rank == 0:
+        got = catch_up(run_dir, group, groups)
+        where = f"took group {got[0]}'s final checkpoint, step {got[1]}" if got else "nothing newer to take"
+        print(f"allhands: replica group {group}: came back after the job completed at step {step}; "
+              f"{where}", file=sys.stderr, flush=True)
+    return {}
+
+
+def catch_up(run_dir: Path, group: int, groups: int) -> tuple[int, int] | None:
+    """Copy the newest checkpoint any other group committed into ``group``'s checkpoints when it
+    is newer than the group's own (hard links where the file system allows: checkpoints are never
+    written in place); committed by one rename, so a reader never sees half of it. Returns (the
+    group it came from, its step), or None when the group's own is as new."""
+    mine = group_dir(run_dir, group) / "checkpoints"
+    own = committed(mine)
+    best = max(((c[-1][0], g, c[-1][1]) for g in range(groups) if g != group
+                and (c := committed(group_dir(run_dir, g) / "checkpoints"))), default=None)
+    if best is None or (own and own[-1][0] >= best[0]):
+        return None
+    step, source, path = best
+    tmp = mine / f".tmp-late-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(path, tmp, copy_function=_link_or_copy)
+    os.replace(tmp, mine / path.name)
+    return source, step
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
