@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel", "sync", "memory", "plan"),
     ("checkpoint",),
     ("ps", "replica"),  # the two modes beyond lock-step: what the loop and its strategy call
-    ("trainer", "steplog", "evaluate", "agree"),
+    ("trainer", "steplog", "evaluate", "trainer_checkpoints", "agree"),
     ("lockstep",),  # the common path of a worker: mesh -> Trainer -> fit
     ("worker", "ps.start", "replica.start"),  # each mode's start-up; the worker's registry of them
     ("launch",),

@@ -83,8 +83,8 @@ def test_exit_codes_resume_command_and_final_line(tmp_path):
     assert f"stopped at once on SIGINT; the last committed checkpoint {ckpt} (step 3) is intact" in line
     # launcher-SIG faults parse; only the stop signals go to the launcher
     assert str(parse_faults("0:3:launcher-sigterm")[0]) == "0:3:launcher-SIGTERM"
-    with pytest.raises(ConfigError, match="fault.inject: '0:3:launcher-SIGKILL'"):
-        parse_faults("0:3:launcher-SIGKILL")
+    with pytest.raises(ConfigError, match="fault.inject: '0:3:launcher-SIGHUP'"):
+        parse_faults("0:3:launcher-SIGHUP")
 
 
 def test_the_outcome_of_a_worker_group_after_a_stop():
