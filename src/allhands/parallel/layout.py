@@ -114,12 +114,7 @@ class Layout:
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
-        if self.cp is not None:  # this rank's part of each sequence, attention over all of it
-            x, y, kw = self.cp.shard(x, y)
-            with self.cp.attention():
-                loss = self.loss_fn(self.model(x, **kw), y) * scale
-        else:
-            loss = self.loss_fn(self.model(x), y) * scale
+        loss = self._loss(self.model, x, y) * scale
         if on_loss is not None:
             loss = on_loss(loss)
         loss.backward()
@@ -148,11 +143,17 @@ class Layout:
         """The unscaled loss of one batch without gradients (None on a rank without the last stage)."""
         if self.pipeline is not None:
             return self.pipeline.eval(x, y)
-        if self.cp is not None:
-            x, y, kw = self.cp.shard(x, y)
-            with self.cp.attention():
-                return self.cp.mean(self.loss_fn(self.parts[0](x, **kw), y))
-        return self.loss_fn(self.parts[0](x), y)
+        loss = self._loss(self.parts[0], x, y)
+        return loss if self.cp is None else self.cp.mean(loss)
+
+    def _loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``module``'s loss on a batch; under cp on this rank's part of each sequence, with
+        attention over all of it (parallel/context.py)."""
+        if self.cp is None:
+            return self.loss_fn(module(x), y)
+        x, y, kw = self.cp.shard(x, y)
+        with self.cp.attention():
+            return self.loss_fn(module(x, **kw), y)
 
     def train(self) -> None:
         for part in self.parts:
