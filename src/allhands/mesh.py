@@ -146,10 +146,6 @@ class Mesh:
                     raise ValueError("the mesh has no ep dim: parallel.ep is 1")
                 return self.dp_mesh
             return self.expert_mesh[dims[0]]
-        if self.sizes["cp"] == 1:  # no flattened cp dims exist: they are the ones without cp
-            dims = tuple({"dp_cp": "dp", "dp_shard_cp": "dp_shard"}.get(d, d) for d in dims)
-            if dims == ("dp",):
-                return self.dp_mesh
         return self.device_mesh[dims if len(dims) > 1 else dims[0]]
 
     def group(self, dim: str) -> dist.ProcessGroup:
