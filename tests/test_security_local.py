@@ -260,7 +260,7 @@ def undisturbed_or_stopped(jobs: list[subprocess.Popen], errs: list[str], out: P
         return
     assert not results and codes == [1] * len(jobs), (codes, results, [e[-3000:] for e in errs])
     lines = [[ln for ln in err.splitlines() if ln.startswith("allhands: error:")] for err in errs]
-    assert all(len(said) == 1 for said in lines), errs
+    assert all(len(said) == 1 for said in lines), "\n=====\n".join(errs)
     assert any("intrusion: refused key" in said[0] for said in lines), lines
 
 

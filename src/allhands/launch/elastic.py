@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -324,6 +325,15 @@ def run_agent(*, spec_kw: dict, rdzv: RendezvousParameters, logs_specs: Any, pol
                           f"(it continues from the last committed checkpoint)") from None
     except RendezvousError as e:
         raise LaunchError(f"node {node}: rendezvous failed: {type(e).__name__}: {e}") from None
+    except (DistNetworkError, DistStoreError) as e:
+        # torch's agent reads the rendezvous store unguarded between rounds (the worker store's
+        # address, the other nodes' role infos): a node that stopped there (a refused forgery, a
+        # crash) leaves the others a closed connection or a timeout, not a rendezvous error.
+        said = str(e).splitlines()[0][:200]
+        raise LaunchError(f"node {node}: the rendezvous store at {rdzv.endpoint} stopped answering "
+                          f"while the nodes were assigned ranks ({type(e).__name__}: {said}): "
+                          f"another node stopped (its output says why) or node 0 is down; start the "
+                          f"job again (it continues from the last committed checkpoint)") from None
     finally:
         stop.CURRENT.workers = None
         if shutdown:
