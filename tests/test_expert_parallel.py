@@ -1,6 +1,7 @@
 """Expert parallelism (parallel/expert.py) on gloo: ep=2 trains to the same parameters as one
-process and as ep=1, with replicated (DDP) and sharded (FSDP2 ZeRO-3) dense parameters, under
-activation checkpointing too; a checkpoint written at one ep resumes at another."""
+process and as ep=1, with replicated (DDP) and sharded (FSDP2 ZeRO-2/3) dense parameters, under
+activation checkpointing, with tensor parallelism and with pipeline stages; a checkpoint
+written at one ep resumes at another."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ MOE = ["model.family=llama", "model.n_kv_head=1", "model.ffn_hidden=48", "moe.n_
     ("ep2 fsdp zero3 + block ac", 2, ["parallel.ep=2", "parallel.dp_shard=2", "parallel.zero=3",
                                       "parallel.ac=block"]),
     ("ep1 ddp", 2, []),
+    # tp: the MoE layer whole on every tp rank, its experts split by ep over the data ranks
+    ("tp2", 2, ["parallel.tp=2", "model.n_kv_head=2"]),
+    ("ep2 tp2 fsdp zero2", 4, ["parallel.ep=2", "parallel.tp=2", "model.n_kv_head=2",
+                               "parallel.dp_shard=2", "parallel.zero=2"]),
+    # pipeline stages: each stage's MoE layers exchange over their own stage's ep group
+    ("ep2 pp2", 4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2"]),
 ])
 def test_expert_parallel_matches_single_process(token_dir, tmp_path, label, nproc, layout):
     cfg = tiny_config(token_dir, tmp_path / "run", *MOE, *layout)
@@ -64,10 +71,10 @@ def test_resume_across_ep_sizes(token_dir, tmp_path):
 
 def test_ep_layout_errors_name_the_field(token_dir, tmp_path):
     for extra, msg in ((["moe.n_experts=3"], "must divide moe.n_experts"),
-                       (["parallel.tp=2"], "parallel.tp"),
+                       (["parallel.tp=2", "model.n_kv_head=2"], "the 1 data-parallel ranks"),
                        (["parallel.dp_shard=2", "parallel.zero=1"], "zero=1")):
         cfg = tiny_config(token_dir, tmp_path / "x", *MOE, "parallel.ep=2", *extra)
-        with pytest.raises(ConfigError, match="parallel.ep"):
+        with pytest.raises(ConfigError, match=f"parallel.ep.*{msg}"):
             validate(cfg, world_size=2)
     cfg = tiny_config(token_dir, tmp_path / "x", *MOE, "parallel.ep=4")
     with pytest.raises(ConfigError, match="parallel.ep"):

@@ -53,7 +53,6 @@ def check_ep(p, e: MoEConfig, sizes: dict[str, int] | None = None) -> None:
         return
     check(e.n_experts > 0 and e.n_experts % p.ep == 0, "parallel.ep",
           f"must divide moe.n_experts={e.n_experts} (each rank holds n_experts / ep experts)", p.ep)
-    check(p.tp == 1, "parallel.ep", "is not supported with parallel.tp > 1 yet; set one of them to 1", p.ep)
     check(getattr(p, "cp", 1) == 1, "parallel.ep", "is not supported with parallel.cp > 1 yet; set one of them to 1", p.ep)
     check(p.zero != 1, "parallel.ep", "is not supported with parallel.zero=1; use zero 0, 2 or 3", p.ep)
     check(p.sync == "allreduce", "parallel.ep", "needs parallel.sync=allreduce (the expert "

@@ -22,7 +22,10 @@ Load balancing, chosen by ``balance``:
 - ``none``.
 
 Expert parallelism (parallel/expert.py) sets ``dispatcher``: it moves the sorted rows to the
-ranks holding their experts and back; without one every expert is local.
+ranks holding their experts and back; without one every expert is local. Under tensor
+parallelism the layer runs whole on every tp rank on plain tensors (routing, sorting and
+scattering have no DTensor rules): its parameters are replicated DTensors there, read through
+:func:`local` (parallel/tensor.py ``LocalReplicate``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allhands.models.layers import SwiGLU
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as the plain tensor this rank computes with (a DTensor's local part)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def swiglu(m: SwiGLU, x: torch.Tensor) -> torch.Tensor:
+    """:class:`SwiGLU` ``m`` on plain ``x`` whatever its parameters are (see :func:`local`)."""
+    gate, up, down = (local(lin.weight) for lin in (m.gate_proj, m.up_proj, m.down_proj))
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,7 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(p, mean=0.0, std=s)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ws = (self.gate_proj, self.up_proj, self.down_proj)
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in ws)
+        return tuple(local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``(M, dim)`` sorted by local expert, ``counts`` ``(n_local,)`` -> ``(M, dim)``."""
@@ -153,7 +166,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights ``(N, k)`` float32, experts ``(N, k)``, scores ``(N, E)`` float32)."""
-        logits = self.gate(x).float()
+        logits = F.linear(x, local(self.gate.weight)).float()
         scores = logits.softmax(-1) if self.a.score == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias if self.a.balance == "bias" else scores
         _, idx = torch.topk(choose, self.a.top_k, dim=-1)
@@ -216,9 +229,9 @@ class MoE(nn.Module):
         ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
         out = torch.zeros_like(flat).index_add(0, token, ys)
         if self.shared is not None:
-            s = self.shared(flat)
+            s = swiglu(self.shared, flat)
             if self.shared_gate is not None:
-                s = torch.sigmoid(self.shared_gate(flat)) * s
+                s = torch.sigmoid(F.linear(flat, local(self.shared_gate.weight))) * s
             out = out + s
         if self.training:
             with torch.no_grad():

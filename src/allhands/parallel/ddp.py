@@ -20,12 +20,14 @@ def apply_ddp(model: nn.Module, mesh: Mesh, *, bucket_mb: float = 25.0, over: st
                bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
 
 
-def apply_replicate(model: nn.Module, mesh: Mesh, *, over: str = "dp") -> nn.Module:
+def apply_replicate(model: nn.Module, mesh: Mesh, *, over: str = "dp",
+                    ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """Replicated data parallelism for a pipeline stage: torch's composable ``replicate`` (built
     on FSDP2), which ``torch.distributed.pipelining`` drives across microbatches. DDP itself
     cannot be: its bucket rebuild sees every parameter once per microbatch and fails an internal
     assertion in the second step (torch 2.13, measured). Parameters become replicated DTensors
-    over ``over``; gradients are all-reduced once per schedule step."""
+    over ``over``; gradients are all-reduced once per schedule step. ``ignored`` are left as they
+    are (expert-parallel experts: each rank holds other experts, reduced apart)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return replicate(model, mesh=mesh.submesh(over))
+    return replicate(model, mesh=mesh.submesh(over), ignored_params=ignored or None)

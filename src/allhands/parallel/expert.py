@@ -107,7 +107,8 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
             raise ValueError(f"parallel.ep={ep} must divide moe.n_experts={n}")
         ex = m.experts
         for name, p in list(ex.named_parameters(recurse=False)):
-            block = p.detach()[me * (n // ep):(me + 1) * (n // ep)].clone()
+            whole = p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # tp: replicated
+            block = whole[me * (n // ep):(me + 1) * (n // ep)].clone()
             setattr(ex, name, nn.Parameter(DTensor.from_local(block, emesh, [Shard(0)],
                                                               run_check=False)))
         m.dispatcher = Dispatcher(mesh.group("ep"), ep)
@@ -125,6 +126,12 @@ def ddp_ignored(model: nn.Module) -> list[str]:
             if mod.dispatcher is not None:
                 out += [f"{mn}.experts.{pn}" for pn, _ in mod.experts.named_parameters()]
     return out
+
+
+def expert_params(model: nn.Module) -> set[nn.Parameter]:
+    """The expert matrices of every expert-parallel MoE layer (what data parallelism leaves to
+    :func:`reduce_expert_grads` or :func:`shard_experts`)."""
+    return {p for m in moe_layers(model) if m.dispatcher is not None for p in m.experts.parameters()}
 
 
 def shard_experts(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool, mp_policy) -> None:

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from allhands.mesh import Mesh
 from allhands.parallel.ac import apply_ac
 from allhands.parallel.ddp import apply_ddp, apply_replicate
-from allhands.parallel.expert import apply_ep, ddp_ignored, shard_experts
+from allhands.parallel.expert import apply_ep, ddp_ignored, expert_params, shard_experts
 from allhands.parallel.fsdp import apply_fsdp
 from allhands.parallel.tensor import PlanFn, TPPlan, apply_tp
 
@@ -86,7 +86,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     over = mesh.grad_dim(replicate)  # dp (or dp_shard), with the cp ranks under context parallel
     if mesh.size(over) > 1:
         if pipeline_stage:
-            return apply_replicate(model, mesh, over=over)
+            return apply_replicate(model, mesh, over=over, ignored=expert_params(model))
         DDP._set_params_and_buffers_to_ignore_for_model(model, ddp_ignored(model))
         return apply_ddp(model, mesh, bucket_mb=bucket_mb, over=over)
     return model

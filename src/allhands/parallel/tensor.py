@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from torch.distributed.tensor.parallel.style import distribute_module
 
 from allhands.models import GPT, Llama
+from allhands.models.moe import MoE
 
 TPPlan = dict[str, ParallelStyle]
 PlanFn = Callable[[nn.Module, bool], TPPlan]
@@ -69,6 +70,36 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._replicate, self._inputs, self._output)
+
+
+class LocalReplicate(ReplicateParallel):
+    """A module computed whole on every tp rank, on plain tensors: the MoE layer, whose routing,
+    sorting and scattering have no DTensor rules. Its parameters become replicated DTensors
+    (one kind of parameter for clipping and FSDP), which it reads as local tensors
+    (models/moe.py ``local``); its input is gathered from ``layout`` (the residual stream's) to
+    the whole tensor and its output cut back to ``layout``. Every rank computes the same, so
+    each holds the full, identical gradient of every parameter and of its input."""
+
+    def __init__(self, layout):
+        super().__init__(output_layout=layout)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        for m in module.modules():  # distribute_module replicates buffers too: the routing
+            for key, buf in m._buffers.items():  # counts and bias stay plain, alike on every rank
+                if isinstance(buf, DTensor):
+                    m._buffers[key] = buf.to_local()
+        return module
+
+    def _inputs(self, mod, inputs, mesh):
+        x, *rest = inputs  # the norm before it hands a DTensor on (SequenceParallel)
+        whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [self.output_layout],
+                                                                    run_check=False)
+        return (whole.redistribute(placements=[Replicate()]).to_local(), *rest)
+
+    def _output(self, mod, out, mesh):
+        out = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+        return super()._output(mod, out, mesh)
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:
@@ -134,7 +165,9 @@ def llama_tp_plan(model: Llama, sequence_parallel: bool = True) -> TPPlan:
     replicated DTensor whose gradient, a partial sum over each rank's heads, is reduced over
     tp like the other norms' (torchtitan's qwen3 does the same). The RoPE tables are plain
     buffers of the root: each block gets the full ``(T, hd)`` cos/sin, since attention runs on
-    the all-gathered sequence. ``model`` may be a pipeline stage: absent parts are left out."""
+    the all-gathered sequence. An MoE feed-forward runs whole on every tp rank
+    (:class:`LocalReplicate`): its experts are split by ``parallel.ep``, not by tp.
+    ``model`` may be a pipeline stage: absent parts are left out."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
 
@@ -158,11 +191,16 @@ def llama_tp_plan(model: Llama, sequence_parallel: bool = True) -> TPPlan:
             f"{b}.attn.v_proj": ColwiseParallel(),
             f"{b}.attn.o_proj": RowwiseParallel(output_layouts=seq),
             f"{b}.mlp_norm": norm(),
-            f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            f"{b}.mlp.gate_proj": ColwiseParallel(),
-            f"{b}.mlp.up_proj": ColwiseParallel(),
-            f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
         })
+        if isinstance(block.mlp, MoE):  # whole on every tp rank; ep splits its experts
+            plan[f"{b}.mlp"] = LocalReplicate(seq)
+        else:
+            plan.update({
+                f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                f"{b}.mlp.gate_proj": ColwiseParallel(),
+                f"{b}.mlp.up_proj": ColwiseParallel(),
+                f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
+            })
         if block.attn.q_norm is not None:
             # local heads in, local heads out: the local (B, T, heads/tp, hd) is Shard(2)
             plan[f"{b}.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
