@@ -135,3 +135,19 @@ def test_llama_with_moe_layers_builds_trains_and_checks():
     cfg.moe.top_k, cfg.model.family = 2, "gpt"
     with pytest.raises(ConfigError, match="moe.n_experts"):
         validate(cfg, need_data=False)
+
+
+@pytest.mark.parametrize("mode", ["block", "selective"])
+def test_activation_checkpointing_counts_each_routed_pair_once(mode):
+    """The recompute in backward repeats the MoE forward: its pairs are not counted again, so the
+    logged tokens per expert and the balancing bias's load are per real forward."""
+    from allhands.parallel.ac import apply_ac
+
+    a = MoEArgs(n_experts=4, top_k=2, hidden=32, balance="bias")
+    model = Llama(LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, seq_len=16, moe=a))
+    apply_ac(model, blocks=model.blocks, mode=mode)
+    idx = torch.randint(0, 50, (3, 16))
+    model(idx).float().logsumexp(-1).mean().backward()
+    for m in moe_layers(model):
+        assert int(m.tokens.sum()) == int(m.load.sum()) == 3 * 16 * 2
+        assert m.experts.down_proj.grad.abs().sum() > 0

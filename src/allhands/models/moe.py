@@ -119,6 +119,12 @@ def _positions(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     return group, torch.arange(rows, device=counts.device) - start[group]
 
 
+def recomputing() -> bool:
+    """Whether this forward is activation checkpointing's recompute inside backward (the routed
+    pairs were counted by the forward it repeats): the autograd engine is running a graph task."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class GroupedExperts(nn.Module):
     """``n`` SwiGLU experts, ``down(silu(gate x) * up x)``, their weights stacked ``(n, out, in)``.
     Under expert parallelism the parameters are DTensors sharded on dim 0 and this rank computes
@@ -233,7 +239,7 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 s = torch.sigmoid(F.linear(flat, local(self.shared_gate.weight))) * s
             out = out + s
-        if self.training:
+        if self.training and not recomputing():
             with torch.no_grad():
                 self.load += counts
                 self.tokens += counts
