@@ -1,6 +1,6 @@
-"""run.compile: each block compiled in place (after AC, before DDP/FSDP) trains to the
-single-process eager reference's parameters, keeps the parameter names, and layouts it does not
-support are refused in one line.
+"""run.compile: each block compiled in place (after TP and AC, before DDP/FSDP; each pipeline
+stage's own blocks) trains to the single-process eager reference's parameters and keeps the
+parameter names, under DDP, tp=2 and pp=2.
 
 Parity tolerance: after 3 AdamW steps the largest relative difference of any parameter from the
 eager reference is at most 1e-4 (``max_rel_diff``), against 1e-5 for eager layouts: inductor's fused
@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from allhands.config import validate
-from allhands.errors import ConfigError
 from allhands.launch.launcher import LaunchSpec, train_job
 
 from conftest import tiny_config
