@@ -175,8 +175,13 @@ def main() -> None:
         a, ac = statistics.median(res["allhands"]), statistics.median(res["allhands_cpu"])
         for n in peers:
             h, hc = statistics.median(res[n]), statistics.median(res[n + "_cpu"])
+            # Per round, allhands / peer of the same round: its spread says whether a ratio a
+            # little above 1 is a cost or the machine (2 standard errors of the mean).
+            paired = [x / y for x, y in zip(res["allhands"], res[n])]
+            se2 = 2 * statistics.stdev(paired) / len(paired) ** 0.5 if len(paired) > 1 else float("nan")
             print(f"global batch {gb}: overhead ratio allhands/{n} = {a / h:.3f} wall, "
-                  f"{ac / hc:.3f} CPU of rank 0's process (target <= 1.00)")
+                  f"{ac / hc:.3f} CPU of rank 0's process (target <= 1.00); per-round paired "
+                  f"{statistics.fmean(paired):.3f} +- {se2:.3f} wall ({min(paired):.3f}..{max(paired):.3f})")
         if "fabric" not in res:
             print("Lightning Fabric: not installed (pip install 'allhands[bench]'), not measured")
 
