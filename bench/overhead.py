@@ -1,14 +1,15 @@
-"""Overhead of the allhands loop against a minimal hand-written torch DDP loop.
+"""Overhead of the allhands loop against a minimal hand-written torch DDP loop and the same loop
+under Lightning Fabric (when installed: the ``bench`` extra).
 
-Same model (the reference GPT), same global batch, same 2 gloo ranks, same data; the two loops
-alternate inside the same worker processes (ROUNDS rounds of STEPS steps each), so machine noise
-hits both alike. allhands logs every LOG_INTERVAL steps, as a real run does (the hand-written
-loop logs nothing). A step's time is the wall time between two consecutive steps' ends, so it
+Same model (the reference GPT), same global batch, same 2 gloo ranks, same data; the loops
+alternate inside the same worker processes (ROUNDS rounds of STEPS steps each, the order
+rotating from round to round), so machine noise hits all alike. allhands logs every
+LOG_INTERVAL steps, as a real run does (the hand-written and Fabric loops log nothing). A step's time is the wall time between two consecutive steps' ends, so it
 holds everything the loop does once per step; a round's figure is the mean over its steps after
 the first two (a mean, not a median, so a cost paid on one step in ten still counts), in wall
 time and in CPU time of rank 0's process (all its threads; other jobs on a shared machine
-inflate it far less than wall time). Figure: the median over rounds, allhands / hand-written,
-at each global batch. Target <= 1.00.
+inflate it far less than wall time). Figure: the median over rounds, allhands / hand-written and
+allhands / Fabric, at each global batch. Target <= 1.00.
 
     python bench/overhead.py [--rounds 5] [--steps 30] [--global-batch 16 4]
 """
@@ -31,8 +32,12 @@ MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.seq_len
 LOG_INTERVAL = 10  # torchtitan's default metrics.log_freq
 
 
-def handwritten_steps(cfg, mesh, train_ds, steps: int) -> list[float]:
-    """The minimal loop: random batch, forward, backward (DDP all-reduce), clip, AdamW step."""
+def handwritten_steps(cfg, mesh, train_ds, steps: int, fabric=None, params: list | None = None) -> list:
+    """The minimal loop: random batch, forward, backward (DDP all-reduce), clip, AdamW step.
+
+    ``fabric``: the same loop under Lightning Fabric (``fabric.setup`` wraps the model in its
+    DDP, ``fabric.backward``, ``fabric.clip_gradients``): the two differ only in those three
+    calls. ``params``: receives the trained parameters (tests compare the two loops)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -40,8 +45,20 @@ def handwritten_steps(cfg, mesh, train_ds, steps: int) -> list[float]:
     from allhands.job import build_reference_model
 
     torch.manual_seed(0)
-    model = DDP(build_reference_model(cfg, 257))
+    model = build_reference_model(cfg, 257)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    if fabric is None:
+        model = DDP(model)
+        backward = torch.Tensor.backward
+
+        def clip():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    else:
+        model, opt = fabric.setup(model, opt)
+        backward = fabric.backward
+
+        def clip():
+            fabric.clip_gradients(model, opt, max_norm=1.0)
     per_rank = cfg.run.global_batch // mesh.world_size
     g = torch.Generator().manual_seed(mesh.rank)
     stamps = []
@@ -50,12 +67,26 @@ def handwritten_steps(cfg, mesh, train_ds, steps: int) -> list[float]:
         x = torch.stack([train_ds[i][0] for i in idx])
         y = torch.stack([train_ds[i][1] for i in idx])
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        backward(loss)
+        clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append((time.perf_counter(), time.process_time()))
+    if params is not None:
+        params.extend(p.detach().clone() for p in model.parameters())
     return _deltas(stamps)
+
+
+def make_fabric(world_size: int):
+    """Lightning Fabric's DDP on CPU over the process group this rank already joined (Fabric
+    finds torch elastic's environment and keeps an initialised group), or None without it."""
+    try:
+        from lightning.fabric import Fabric  # optional: pip install 'allhands[bench]'
+    except ImportError:
+        return None
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=world_size, num_nodes=1)
+    fabric.launch()
+    return fabric
 
 
 def _deltas(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -94,18 +125,21 @@ def worker(cfg_dicts: list[dict], rounds: int, steps: int, out: str) -> None:
 
     torch.set_num_threads(1)
     train_ds, _, _ = load_token_splits(cfg.data.path, cfg.model.seq_len)
+    fabric = make_fabric(mesh.world_size)
+    names = ("allhands", "handwritten") + (("fabric",) if fabric is not None else ())
     results = {}
     for cfg_dict in cfg_dicts:
         cfg = Config.from_dict(cfg_dict)
-        res = results.setdefault(str(cfg.run.global_batch), {k: [] for k in (
-            "allhands", "handwritten", "allhands_cpu", "handwritten_cpu")})
+        res = results.setdefault(str(cfg.run.global_batch), {k: [] for n in names for k in (n, n + "_cpu")})
         for r in range(rounds):
             cfg.run.dir = f"{out}/gb{cfg.run.global_batch}-round{r}"
             Path(cfg.run.dir).mkdir(exist_ok=True)
-            a = allhands_steps(cfg, mesh, Path(cfg.run.dir))
-            h = handwritten_steps(cfg, mesh, train_ds, steps)
-            if mesh.rank == 0:
-                for name, steps_ in (("allhands", a[2:]), ("handwritten", h[2:])):
+            runs = {"allhands": lambda: allhands_steps(cfg, mesh, Path(cfg.run.dir)),
+                    "handwritten": lambda: handwritten_steps(cfg, mesh, train_ds, steps),
+                    "fabric": lambda: handwritten_steps(cfg, mesh, train_ds, steps, fabric)}
+            for name in names[r % len(names):] + names[:r % len(names)]:  # the order rotates
+                steps_ = runs[name]()[2:]
+                if mesh.rank == 0:
                     res[name].append(statistics.mean(w for w, _ in steps_))
                     res[name + "_cpu"].append(statistics.mean(c for _, c in steps_))
     if mesh.rank == 0:
@@ -135,13 +169,21 @@ def main() -> None:
     print(f"rounds={args.rounds} steps/round={args.steps} ranks=2 model={' '.join(MODEL)} "
           f"log.interval={LOG_INTERVAL}")
     for gb, res in json.loads(Path(out, "result.json").read_text()).items():
-        a, h = statistics.median(res["allhands"]), statistics.median(res["handwritten"])
-        print(f"global batch {gb}: per-round mean step (s): allhands "
-              + " ".join(f"{v:.4f}" for v in res["allhands"]) + "; handwritten "
-              + " ".join(f"{v:.4f}" for v in res["handwritten"]))
-        ac, hc = statistics.median(res["allhands_cpu"]), statistics.median(res["handwritten_cpu"])
-        print(f"global batch {gb}: overhead ratio allhands/handwritten = {a / h:.3f} wall, "
-              f"{ac / hc:.3f} CPU of rank 0's process (target <= 1.00)")
+        peers = [n for n in ("handwritten", "fabric") if n in res]
+        print(f"global batch {gb}: per-round mean step (s): " + "; ".join(
+            f"{n} " + " ".join(f"{v:.4f}" for v in res[n]) for n in ("allhands", *peers)))
+        a, ac = statistics.median(res["allhands"]), statistics.median(res["allhands_cpu"])
+        for n in peers:
+            h, hc = statistics.median(res[n]), statistics.median(res[n + "_cpu"])
+            # Per round, allhands / peer of the same round: its spread says whether a ratio a
+            # little above 1 is a cost or the machine (2 standard errors of the mean).
+            paired = [x / y for x, y in zip(res["allhands"], res[n])]
+            se2 = 2 * statistics.stdev(paired) / len(paired) ** 0.5 if len(paired) > 1 else float("nan")
+            print(f"global batch {gb}: overhead ratio allhands/{n} = {a / h:.3f} wall, "
+                  f"{ac / hc:.3f} CPU of rank 0's process (target <= 1.00); per-round paired "
+                  f"{statistics.fmean(paired):.3f} +- {se2:.3f} wall ({min(paired):.3f}..{max(paired):.3f})")
+        if "fabric" not in res:
+            print("Lightning Fabric: not installed (pip install 'allhands[bench]'), not measured")
 
 
 if __name__ == "__main__":

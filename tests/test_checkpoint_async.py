@@ -109,8 +109,8 @@ def test_cadence_fixed_interval_and_checkfreq_rule():
 
 
 def test_a_copy_that_fails_to_start_is_a_failed_save_not_a_hang(tmp_path, monkeypatch):
-    """The copy starts last in Checkpointer.save (_DeferredStager); if it cannot start, the
-    upload thread waiting for it must fail the save, not wait forever."""
+    """The copy starts last in Checkpointer.save; if it cannot start, the write thread
+    waiting for it must fail the save, not wait forever."""
     model, opt, ts = _trained(1)
     state = {"model": ModelOptimState(model, opt), "train": ts}
     ckpt = Checkpointer(tmp_path, rank=0, mode="async")

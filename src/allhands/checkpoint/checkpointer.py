@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -33,7 +31,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from allhands.checkpoint.catalog import FORMAT_VERSION, META_NAME, committed
 from allhands.checkpoint.manifest import verify_manifest, write_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
-from allhands.checkpoint.writer import DeferredStager, Writer, save_planner
+from allhands.checkpoint.saver import Pending, Saver
+from allhands.checkpoint.writer import Writer, save_planner
 from allhands.errors import CheckpointError, first_line
 from allhands.safefs import write_private
 
@@ -51,29 +50,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@dataclass
-class _Pending:
-    """The one save in flight: its future, and (rank 0) whether its commit has run."""
-
-    step: int
-    tmp: Path
-    final: Path
-    future: Any
-    writer: Writer
-    committed: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
 class Checkpointer:
     """Saves and loads the state dict of ``Stateful`` objects under the commit protocol above.
 
     ``mode="async"``: ``save`` takes the state dicts and returns; DCP's stager copies the model
     and optimizer state to host memory in a thread while training goes on, and ``before_update``
-    (called before the optimizer step) waits for that copy. DCP writes in a background thread whose collectives run on ``group`` (a gloo group of its
-    own, so they never interleave with the training collectives on the default group). Rank 0
-    commits (manifest, fsync, rename, keep_last) in the future's done-callback, i.e. only after
-    every rank's write and the ``.metadata`` succeeded, since DCP gathers every rank's write
-    result before the coordinator writes ``.metadata``. At most one save is in flight: the next
+    (called before the optimizer step) waits for that copy. ``dcp.save`` runs in a write thread
+    of its own (saver.py) whose collectives run on ``group`` (a gloo group of its own, so they
+    never interleave with the training collectives on the default group); rank 0 commits
+    (manifest, fsync, rename, keep_last) in that thread after DCP returned, i.e. only after every
+    rank's write and the ``.metadata`` succeeded. At most one save is in flight: the next
     ``save``, ``wait`` or the end of training waits for it.
 
     A failed save (disk full, unwritable directory: DCP raises ``CheckpointException``, a
@@ -96,10 +82,10 @@ class Checkpointer:
         self.writer_hook = writer_hook
         self.failures = 0
         self.warnings: list[str] = []
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         self._stager: Any = None
         self._copier: Any = None
-        self._staging: Any = None  # the copy to host memory of the save in flight (async)
+        self._saver: Saver | None = None
         self._prepared = False
         self._plan_key = f"allhands.Checkpointer {id(self)} {self.dir} {mode}"
 
@@ -143,7 +129,6 @@ class Checkpointer:
             self._wait_here()
         hook = self.writer_hook(step) if self.writer_hook else None
         writer = Writer(tmp, hook, background=self.mode != "sync")
-        deferred: DeferredStager | None = None
         try:
             if self.mode == "sync":
                 dcp.save(state, storage_writer=writer, planner=save_planner(self._plan_key))
@@ -152,23 +137,29 @@ class Checkpointer:
                     self._commit(step, tmp, final, writer.digests)
                 _barrier()
                 return
-            deferred = DeferredStager(self._stager_once())
-            resp = dcp.async_save(self._snapshot(state), storage_writer=writer,
-                                  planner=save_planner(self._plan_key), process_group=self.group,
-                                  async_stager=deferred)
+            snapshot = self._snapshot(state)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            if deferred is not None:
-                deferred.close()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             self._failed(step, tmp, e)
             return
-        self._staging, fut = resp.staging_completion, resp.upload_completion
-        pending = _Pending(step, tmp, final, fut, writer)
-        if self.rank == 0:
-            fut.add_done_callback(lambda _f, p=pending: self._commit_when_written(p))
+        pending = Pending(step, tmp, final, writer)
         self._pending = pending
-        deferred.start()  # last: the copy overlaps the next forward/backward, not this call
+        self._saver_once().submit(pending, save_planner(self._plan_key))
+        # Last: the copy's thread takes the GIL once woken, so nothing of this call is left to
+        # wait behind it; the copy overlaps the next forward/backward.
+        try:
+            self._stager.stage(snapshot).add_done_callback(lambda f, c=pending.copy: _chain(f, c))
+        except BaseException as e:  # the write thread fails the save with it
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            pending.copy.set_exception(e)
+
+    def _saver_once(self) -> Saver:
+        if self._saver is None:
+            commit = (lambda p: self._commit(p.step, p.tmp, p.final, p.writer.digests)) if self.rank == 0 else None
+            self._saver = Saver(self.group, commit)
+        return self._saver
 
     def _stager_once(self):
         """One stager for the whole run: it keeps its host buffers (pinned on CUDA) between saves.
@@ -191,36 +182,28 @@ class Checkpointer:
     def _snapshot(self, state: dict[str, Any]) -> dict[str, Any]:
         """Each object's state dict, taken now on the training thread. Objects that say their
         tensors change only in the optimizer step (``overlap_until_update``) stay references
-        for the background copy; the others (step, data cursor, RNG, scheduler, a sync
-        strategy whose state its backward hooks update) are copied here: they are small."""
+        for the background copy; those whose state dict is built anew (``fresh``: step, data
+        cursor, RNG, scheduler) are kept as they are; the others (a sync strategy whose state
+        its backward hooks update) are copied here: they are small."""
         self._stager_once()
         out = {}
         for key, obj in state.items():
             sd = obj.state_dict() if isinstance(obj, Stateful) else obj
-            out[key] = sd if getattr(obj, "overlap_until_update", False) else self._copier.stage(sd)
+            keep = getattr(obj, "overlap_until_update", False) or getattr(obj, "fresh", False)
+            out[key] = sd if keep else self._copier.stage(sd)
         return out
 
     def before_update(self) -> None:
         """Not collective. Call before anything changes the parameters or optimizer state
         (the trainer: before ``optimizer.step()``): waits until the save in flight has copied
         them to host memory. A no-op when no copy is running."""
-        staging, self._staging = self._staging, None
-        if staging is not None:
+        p = self._pending
+        if p is not None and not p.copy.done():
             try:
-                staging.result()
-            except BaseException as e:  # surfaces again through the upload future, as a failed save
+                p.copy.result()
+            except BaseException as e:  # surfaces again through the write, as a failed save
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
-
-    def _commit_when_written(self, p: _Pending) -> None:
-        """Rank 0, in DCP's writer thread once every rank's write and .metadata are done."""
-        try:
-            p.future.result()
-            self._commit(p.step, p.tmp, p.final, p.writer.digests)
-        except BaseException as e:  # recorded; wait()/poll() report it in the training thread
-            p.error = e
-        finally:
-            p.committed.set()
 
     def _commit(self, step: int, tmp: Path, final: Path,
                 digests: dict[str, tuple[int, str]] | None = None) -> None:
@@ -290,7 +273,7 @@ class Checkpointer:
         while not p.final.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def _settle(self, p: _Pending) -> None:
+    def _settle(self, p: Pending) -> None:
         self._pending = None
         err = p.error if self.rank == 0 else p.future.exception()
         if err is not None:
@@ -306,6 +289,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.before_update()
+        if self._saver is not None:  # its thread ends after the save in flight, if any
+            self._saver.close()
+            self._saver = None
         if self._stager is not None:
             self._stager.close()
             self._copier.close()
@@ -366,6 +352,14 @@ def _cause(e: BaseException) -> str:
     if not isinstance(e, OSError) and cause is not None:
         return _cause(cause)
     return first_line(e)
+
+
+def _chain(done: Any, into: Any) -> None:
+    """The stager's future's outcome into the save's own ``copy`` future."""
+    if done.exception() is not None:
+        into.set_exception(done.exception())
+    else:
+        into.set_result(done.result())
 
 
 def _agree(ok: bool) -> bool:

@@ -8,11 +8,17 @@ fixed keys and knows nothing else about them.
 from __future__ import annotations
 
 import random
-from typing import Any
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+# The name map get_state_dict applies to every key (private, stable since torch 2.2); used once
+# per run to learn the maps, whose result is checked against get_state_dict's own (_learn_keys).
+from torch.distributed.checkpoint.state_dict import _get_fqns
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.stateful import Stateful
 
 
@@ -55,13 +61,23 @@ class ModelOptimState(Stateful):
         msd: dict[str, Any] = {}
         osd: dict[str, Any] = {}
         for model, optim, aliases in self._parts():
-            m, o = get_state_dict(model, optim, options=self.OPTIONS)
-            buffers = {b.untyped_storage().data_ptr() for b in model.buffers() if type(b) is torch.Tensor}
-            if buffers:
+            keys = _KEYS.get(optim)
+            if keys is not None and keys is not False and keys.model() is not model:
+                keys = None
+            fast = _fast_state_dict(model, optim, keys, aliases) if keys else None
+            if fast is None:
+                m, o = get_state_dict(model, optim, options=self.OPTIONS)
+                if keys is not False and optim.state:  # (re)learn the maps; False: no fast path
+                    _KEYS[optim] = _learn_keys(model, optim, m, o)
+                buffers = {b.untyped_storage().data_ptr() for b in model.buffers() if type(b) is torch.Tensor}
                 m = {k: v.clone() if type(v) is torch.Tensor and v.untyped_storage().data_ptr() in buffers
                      else v for k, v in m.items()}
+                o = _pack_param_groups(_rename_optim_keys(o, aliases))
+            else:
+                m, o = fast
+                m = {k: v.clone() if k in keys.buffers else v for k, v in m.items()}
             msd.update(m)
-            osd.update(_pack_param_groups(_rename_optim_keys(o, aliases)))
+            osd.update(o)
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -79,6 +95,113 @@ class ModelOptimState(Stateful):
                 osd = {k: v.clone() if isinstance(v, torch.Tensor) and
                        k.split(".", 1)[1].rsplit(".", 1)[0] in aliases else v for k, v in osd.items()}
             set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=self.OPTIONS)
+
+
+@dataclass
+class _Keys:
+    """What ``get_state_dict`` computes on every call and what never changes while the model's
+    keys and the optimizer's parameters stay the same: the DCP key of each ``model.state_dict()``
+    key (DDP's ``module.``, compile's ``_orig_mod.``, activation checkpointing's wrapper names
+    dropped) and of each optimizer parameter index. Finding them walks every module per
+    parameter: 3.4 ms of the training thread per save for the benchmark GPT's 52 parameters,
+    against 0.3 ms for the state dicts themselves (torch 2.13)."""
+
+    model: Callable[[], torch.nn.Module | None]  # a weak reference
+    raw: tuple[str, ...]
+    fqn: dict[str, str]
+    params: list[torch.Tensor]
+    pid_fqn: dict[int, str]
+    buffers: frozenset[str]
+
+
+# Learned key maps per optimizer (the trainer builds a ModelOptimState per save); False: none.
+_KEYS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Keys | bool] = weakref.WeakKeyDictionary()
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optim.param_groups for p in g["params"]]
+
+
+def _fast_state_dict(model: torch.nn.Module, optim: torch.optim.Optimizer, keys: _Keys,
+                     aliases: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``get_state_dict(model, optim, flatten_optimizer_state_dict=True)`` from the learned key
+    maps, or None where they may not hold (other keys or parameters, no optimizer state yet:
+    ``get_state_dict`` would initialise it with a zero step). With ``aliases``: the optimizer
+    part as ``ModelOptimState`` stores it, renamed and with packed parameter groups."""
+    raw = model.state_dict()
+    params = _optim_params(optim)
+    if (tuple(raw) != keys.raw or not optim.state or len(params) != len(keys.params)
+            or any(a is not b for a, b in zip(params, keys.params))):
+        return None
+    sd = optim.state_dict()
+    if any(pid not in keys.pid_fqn for pid in sd["state"]):
+        return None
+    name = keys.pid_fqn if aliases is None else {pid: aliases.get(f, f) for pid, f in keys.pid_fqn.items()}
+    o: dict[str, Any] = {}
+    for pid, st in sd["state"].items():
+        _flatten(st, f"state.{name[pid]}", o)
+    for group in sd["param_groups"]:
+        leaves = sorted([k, v] for k, v in group.items() if k != "params")
+        for pid in group["params"]:
+            if pid not in name:
+                return None
+            if aliases is None:
+                o.update((f"param_groups.{name[pid]}.{k}", v) for k, v in leaves)
+            else:  # _pack_param_groups's form
+                o[f"param_groups.{name[pid]}"] = [list(pair) for pair in leaves]
+    return {keys.fqn[k]: v for k, v in raw.items()}, o
+
+
+def _flatten(d: dict[Any, Any], prefix: str, out: dict[str, Any]) -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _flatten(v, f"{prefix}.{k}", out)
+        else:
+            out[f"{prefix}.{k}"] = v
+
+
+def _learn_keys(model: torch.nn.Module, optim: torch.optim.Optimizer, m: dict[str, Any],
+                o: dict[str, Any]) -> _Keys | bool:
+    """The key maps behind ``get_state_dict``'s answer ``m, o``, kept only if the fast path gives
+    that same answer: the same keys, every tensor the same storage, view and placements, every
+    other value equal. False (never try again) for anything else, e.g. FSDP1's flat parameters."""
+    raw = model.state_dict()
+    fqns = {k: _get_fqns(model, k) for k in raw}
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        found = _get_fqns(model, name)
+        if len(found) == 1:
+            names.setdefault(id(p), next(iter(found)))
+    params = _optim_params(optim)
+    if any(len(f) != 1 for f in fqns.values()):
+        return False
+    pid_fqn = {pid: names[id(p)] for pid, p in enumerate(params) if id(p) in names}
+    buffers = {b.untyped_storage().data_ptr() for b in model.buffers() if type(b) is torch.Tensor}
+    keys = _Keys(weakref.ref(model), tuple(raw), {k: next(iter(f)) for k, f in fqns.items()}, params, pid_fqn,
+                 frozenset(k for k, v in m.items() if type(v) is torch.Tensor
+                           and v.untyped_storage().data_ptr() in buffers))
+    fast = _fast_state_dict(model, optim, keys)
+    if fast is None or not (_same(fast[0], m) and _same(fast[1], o)):
+        return False
+    return keys
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def ident(v: Any) -> Any:
+        local = v.to_local() if isinstance(v, DTensor) else v
+        return (type(v), v.shape, v.dtype, local.untyped_storage().data_ptr(), local.stride(),
+                local.storage_offset(), getattr(v, "placements", None))
+
+    if set(a) != set(b):
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or ident(x) != ident(y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
 
 
 def _pack_param_groups(osd: dict[str, Any]) -> dict[str, Any]:
@@ -130,6 +253,8 @@ class SchedulerState(Stateful):
     two stages has two optimizers' groups): resuming under another schedule or stage count
     would zip a short list. The LRs are the lambdas' values at the restored step."""
 
+    fresh = True  # state_dict() builds new tensors and numbers: an async save need not copy them
+
     def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
         self.scheduler = scheduler
 
@@ -146,6 +271,8 @@ class SchedulerState(Stateful):
 
 class TrainState(Stateful):
     """Completed steps and the data cursor (a step count is the whole cursor: see sampler.py)."""
+
+    fresh = True  # state_dict() builds new tensors and numbers: an async save need not copy them
 
     def __init__(self) -> None:
         self.step = 0
@@ -168,6 +295,8 @@ class RNGState(Stateful):
     Each rank saves under its own key ``rank<R>`` so DCP does not deduplicate them as
     replicated; no pickled object is needed to restore them.
     """
+
+    fresh = True  # state_dict() builds new tensors and numbers: an async save need not copy them
 
     def __init__(self, rank: int):
         self.key = f"rank{rank}"

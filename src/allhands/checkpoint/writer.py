@@ -1,5 +1,5 @@
-"""How one rank writes its part of a checkpoint: DCP's file writer with allhands' additions, the
-deferred start of the copy to host memory, and DCP's save planner with its plan cache.
+"""How one rank writes its part of a checkpoint: DCP's file writer with allhands' additions and
+DCP's save planner with its plan cache.
 
 Split from checkpoint.py (which owns the state contract and the commit protocol); every figure
 quoted here is from ``bench/checkpoint_profile.py`` (BENCHMARKS.md).
@@ -11,7 +11,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -67,9 +67,9 @@ class Writer(FileSystemWriter):
     digests to the coordinator (``digests`` after ``finish``). Optional hook run after this
     rank's files are written: the ``ckpt`` fault kills the worker there, i.e. mid-checkpoint.
 
-    ``background``: this writer runs in DCP's upload thread (async save), which it moves to
-    ``WRITER_NICE`` first. Linux applies niceness per thread, and DCP starts a fresh upload
-    thread per save, so the training thread keeps its priority."""
+    ``background``: this writer runs in the async save's write thread (saver.py), which it
+    moves to ``WRITER_NICE`` first. Linux applies niceness per thread, so the training thread
+    and the copy's thread keep their priority."""
 
     def __init__(self, path: Path, after_write: Callable[[], None] | None = None, background: bool = False):
         super().__init__(path, sync_files=True)
@@ -110,51 +110,6 @@ class Writer(FileSystemWriter):
                 if isinstance(r, FileDigests):
                     self.digests.update(r.files)
         super().finish(metadata, plain)
-
-
-class DeferredStager:
-    """The stager handed to ``dcp.async_save``: it only records the state dict and returns a
-    future; ``start`` (called by ``Checkpointer.save`` just before it returns) hands it to the
-    real stager's thread. Started inside ``async_save``, the copy's Python traversal would take
-    the GIL (held up to the 5 ms switch interval at a time) while the training thread still sets
-    up the upload thread, which lengthens the stall; started last, it overlaps only the next
-    forward/backward, as intended. The upload thread waits on the future either way."""
-
-    should_synchronize_after_execute = False
-
-    def __init__(self, stager: Any):
-        self.stager = stager
-        self._pending: tuple[Any, Any] | None = None  # (state dict, concurrent.futures.Future)
-
-    def stage(self, state_dict: Any) -> Any:
-        from concurrent.futures import Future as CFuture
-
-        self._pending = (state_dict, CFuture())
-        return self._pending[1]
-
-    def synchronize_staging(self) -> None:  # the trainer synchronizes: Checkpointer.before_update
-        pass
-
-    def start(self, error: BaseException | None = None) -> None:
-        """Start the recorded copy, or fail its future with ``error`` (so no upload thread
-        waits for a copy that never comes)."""
-        if self._pending is None:
-            return
-        state_dict, fut = self._pending
-        self._pending = None
-        if error is not None:
-            fut.set_exception(error)
-            return
-        try:
-            inner = self.stager.stage(state_dict)
-        except BaseException as e:  # the upload fails with it: a failed save, reported as such
-            fut.set_exception(e)
-            return
-        inner.add_done_callback(lambda g: fut.set_exception(g.exception()) if g.exception() is not None
-                                else fut.set_result(g.result()))
-
-    def close(self) -> None:
-        self.start(RuntimeError("the checkpointer was closed before the copy started"))
 
 
 def save_planner(key: str) -> DefaultSavePlanner:

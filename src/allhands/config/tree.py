@@ -238,8 +238,8 @@ class RunConfig:
     precision: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
     check_sync: bool = _f(False, "debug: compare a parameter checksum across ranks after each update")
     threads: int = _f(0, "torch intra-op threads per CPU worker; 0 = CPU cores / workers on the node")
-    compile: bool = _f(False, "torch.compile each transformer block (after activation checkpointing, "
-                       "before FSDP); not with parallel.pp or parallel.tp > 1")
+    compile: bool = _f(False, "torch.compile each transformer block (after tensor parallelism and activation "
+                       "checkpointing, before FSDP/DDP; under pp each stage's blocks)")
 
 
 @dataclass

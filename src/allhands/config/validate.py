@@ -66,11 +66,6 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check(r.device in ("auto", "cpu", "cuda"), "run.device", "allowed: auto, cpu, cuda", r.device)
     check(r.precision in ("auto", "fp32", "bf16"), "run.precision", "allowed: auto, fp32, bf16", r.precision)
     check(bool(r.name) and "/" not in r.name, "run.name", "must be non-empty and contain no '/'", r.name)
-    if r.compile:
-        for dim in ("pp", "tp"):
-            if getattr(p, dim) != 1:
-                raise ConfigError(f"run.compile: true is not supported with parallel.{dim}="
-                                  f"{getattr(p, dim)}; set run.compile=false or parallel.{dim}=1")
     if p.backend == "nccl" and r.device == "cpu":
         raise ConfigError("parallel.backend: 'nccl' needs run.device=cuda; use gloo or auto on CPU")
     if world_size is not None:
