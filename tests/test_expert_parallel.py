@@ -95,3 +95,11 @@ def test_metrics_record_expert_load_balancing_loss_and_all_to_all(token_dir, tmp
     assert [sum(row) for row in r["moe_load"]] == [4 * 16 * 2] * done.model.n_layer
     assert r["moe_tokens_per_expert_min"] <= 32 <= r["moe_tokens_per_expert_max"]
     assert r["moe_aux_loss"] > 0 and r["moe_a2a_bytes"] > 0 and r["moe_a2a_time"] > 0
+    # routing cannot run on meta tensors: the FLOPs (and MFU) come from the shapes, active experts only
+    from allhands.plan.decoder import flops_per_sample
+
+    assert r["flops_per_step"] == flops_per_sample(done.model, done.moe, 257) * 4
+    # the report draws the expert load; a run without MoE layers gets no such plot
+    from allhands.report import make_report
+
+    assert tmp_path / "run" / "report" / "experts.png" in make_report(tmp_path / "run")

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore",
      "stopflag", "hooks", "paths"),
-    ("data", "models", "metrics", "trackers", "report", "admission", "jobcheck", "job", "optim", "flops"),
+    ("data", "models", "metrics", "trackers", "report", "admission", "jobcheck", "job", "optim", "muon", "flops"),
     ("mesh",),
     ("parallel", "sync", "memory", "plan"),
     ("checkpoint",),

@@ -10,16 +10,17 @@ import copy
 import pytest
 import torch
 
-from allhands.config import Config, ConfigError, ModelConfig, apply_override, validate
+from allhands.config import Config, ConfigError, ModelConfig, MoEConfig, apply_override, validate
 from allhands.models import Llama, LlamaConfig
-from allhands.models.build import build_model, family_config, with_preset
+from allhands.models.build import build_model, family_config, moe_preset, with_preset
 from allhands.models.resolve import resolve_model
 from allhands.models.presets import PRESETS, PUBLISHED_PARAMS
 
 
 def _meta_model(name: str) -> torch.nn.Module:
     with torch.device("meta"):
-        return build_model(family_config(with_preset(ModelConfig(preset=name)), 1000))
+        m = ModelConfig(preset=name)
+        return build_model(family_config(with_preset(m), 1000, moe_preset(m, MoEConfig())))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -115,10 +116,11 @@ def test_train_trains_the_family_on_two_workers(tmp_path, token_dir):
 def test_transformers_counts_the_same_parameters(name):
     """transformers' own model, built on the meta device from the config.json we would write."""
     transformers = pytest.importorskip("transformers")
-    from allhands.models.llama_hf import to_hf_config
+    from allhands.models.hf import hf_config_json
 
-    fc = family_config(with_preset(ModelConfig(preset=name)), 0)
-    c = to_hf_config(fc)
+    m = ModelConfig(preset=name)
+    fc = family_config(with_preset(m), 0, moe_preset(m, MoEConfig()))
+    c = hf_config_json(fc)  # a mixture of experts' is a Mixtral or Qwen3-MoE config.json
     config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(config)

@@ -14,6 +14,7 @@ from allhands.data import GlobalSampler, load_training_data
 from allhands.data.sampler import collate
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.job import build_reference_model, lm_loss
+from allhands.models.moe import update_expert_bias
 from allhands.optim import build_optimizer, lr_lambda
 
 from conftest import tiny_config
@@ -28,6 +29,9 @@ def reference_params(cfg, shares: int = 1) -> dict[str, torch.Tensor]:
     if cfg.checkpoint.init_from:  # as the trainer does, before training
         load_weights(model, cfg.checkpoint.init_from)
     opt = build_optimizer(model, cfg)
+    # moe.balance=bias: DeepSeek-V3's bias step after each update, on this whole batch's loads
+    # (parallel/layout.py registers it so; a model without such layers is left alone)
+    opt.register_step_post_hook(lambda *_: update_expert_bias(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     sampler = GlobalSampler(len(train), cfg.run.global_batch, cfg.data.seed)
     for step in range(cfg.run.steps):

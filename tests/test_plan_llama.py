@@ -12,11 +12,12 @@ import torch
 from allhands.config import Config, apply_override
 from allhands.flops import count_flops, decoder_flops_per_token
 from allhands.job import build_reference_model, lm_loss
-from allhands.models.build import with_preset
+from allhands.models.build import moe_preset, with_preset
 from allhands.models.presets import PUBLISHED_PARAMS
 from allhands.plan import parse_cluster
 from allhands.plan.decoder import Decoder
-from allhands.plan.estimate import Layout, estimate, stage_params
+from allhands.plan.estimate import Layout, _stage_layers, estimate, stage_params
+from allhands.plan.experts import stage_experts
 from allhands.plan.search import layouts
 
 from conftest import ALLHANDS
@@ -26,7 +27,7 @@ def _preset(name: str, *extra: str) -> Config:
     cfg = Config()
     for item in (f"model.preset={name}", *extra):
         apply_override(cfg, item)
-    cfg.model = with_preset(cfg.model)
+    cfg.moe, cfg.model = moe_preset(cfg.model, cfg.moe), with_preset(cfg.model)
     return cfg
 
 
@@ -54,12 +55,16 @@ def test_the_formula_is_what_torch_counts(name):
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_planned_parameters_of_each_preset_are_the_published_count(name):
     cfg = _preset(name)
-    assert stage_params(cfg, 1, 1, 0)[0] == PUBLISHED_PARAMS[name] == Decoder.of(cfg.model).params()
+    d = Decoder.of(cfg.model, cfg.moe)
+    experts = stage_experts(d, range(d.n_layer))[0]  # a mixture of experts' routed experts
+    assert stage_params(cfg, 1, 1, 0)[0] + experts == PUBLISHED_PARAMS[name] == d.params()
     # split 2 x 2 (pp x tp): the stages' rank shares add up to the model, the tied head counted on
-    # both ends and the replicated norms on every tp rank
-    d = Decoder.of(cfg.model)
-    shards = sum(stage_params(cfg, 2, 2, s)[0] for s in (0, 1)) * 2
-    replicated = (2 * d.block_params(2)[0] - d.block_params(1)[0]) * d.n_layer + d.c
+    # both ends and the replicated norms on every tp rank (an MoE layer's router whole on each,
+    # and its routed experts: split by ep, not tp)
+    shards = sum(stage_params(cfg, 2, 2, s)[0] + stage_experts(d, _stage_layers(d.n_layer, 2)[s])[0]
+                 for s in (0, 1)) * 2
+    moe = bool(d.moe_layers)
+    replicated = (2 * d.block_params(2, moe)[0] - d.block_params(1, moe)[0]) * d.n_layer + d.c + experts
     tied = d.v * d.c if d.tie else 0
     assert shards == PUBLISHED_PARAMS[name] + replicated + tied
 

@@ -214,10 +214,12 @@ class StepFlops:
     @classmethod
     def start(cls, build: Callable[[], nn.Module], sample: tuple[torch.Tensor, torch.Tensor],
               loss_fn: Callable, *, global_batch: int, device: torch.device, bf16: bool,
-              threads: int, devices: int, leader: bool, barrier: Callable[[], None]) -> "StepFlops | None":
+              threads: int, devices: int, leader: bool, barrier: Callable[[], None],
+              formula: Callable[[], int] | None = None) -> "StepFlops | None":
         """Count one sample's FLOPs and find the peak. On CPU the node's ``leader`` measures the
         GEMM peak (when not cached) while the other workers wait in ``barrier``, so that they do
-        not compete for the cores it measures. None when the model cannot run on meta tensors."""
+        not compete for the cores it measures. A model that cannot run on meta tensors takes
+        ``formula``'s FLOPs per sample (a shipped mixture of experts); without one, None."""
         dtype = "bf16" if bf16 else "fp32"
         if device.type == "cpu":
             if leader:
@@ -228,8 +230,10 @@ class StepFlops:
         try:
             with torch.random.fork_rng(devices=[]):  # a user builder may draw from the CPU generator
                 per_sample = count_flops(build, x, y, loss_fn)
-        except (RuntimeError, NotImplementedError, TypeError):  # a user model that needs real data
-            return None
+        except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real data
+            if formula is None:
+                return None
+            per_sample = formula()
         raise_peak = functools.partial(raise_cpu_gemm_peak, threads, dtype) \
             if device.type == "cpu" and leader else None
         return cls(per_step=per_sample * global_batch, peak=peak, devices=devices, peak_source=source,

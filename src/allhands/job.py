@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from allhands.config import Config, parse_mix
 from allhands.data import load_training_data
 from allhands.data.shards import load_meta
-from allhands.models.build import build_model, family_config, with_preset
+from allhands.models.build import build_model, family_config, moe_preset, with_preset
 
 ModelFn = Callable[[Config], nn.Module]
 DataFn = Callable[[Config], Any]
@@ -69,7 +69,7 @@ def default_loss(train_ds) -> LossFn:
 def build_reference_model(cfg: Config, vocab_size: int) -> nn.Module:
     """The model ``cfg.model`` names (the reference GPT or a Llama-family decoder); a preset
     still unresolved is resolved here (models/build.py)."""
-    fc = family_config(with_preset(cfg.model), vocab_size, cfg.moe)
+    fc = family_config(with_preset(cfg.model), vocab_size, moe_preset(cfg.model, cfg.moe))
     if cfg.data.packing == "mask":  # rows of packed documents: the model masks by their end token
         fc = dataclasses.replace(fc, doc_token=document_token(cfg))
     return build_model(fc)

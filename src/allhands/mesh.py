@@ -204,6 +204,20 @@ class Mesh:
     def describe(self) -> str:
         return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS if d != "cp" or self.sizes[d] > 1)
 
+    def model_group(self, replicate: bool = True) -> dist.ProcessGroup | None:
+        """The group of every rank training this rank's copy of its pipeline stage: the data,
+        context and tensor-parallel ranks, without ``dp_replicate`` when a sync strategy
+        reconciles the replicas itself (their copies differ). None where that is this rank
+        alone. Built on the first call, which every rank makes (Muon's world, allhands.muon)."""
+        dims = tuple(d for d in ("dp_replicate", "dp_shard", "cp", "tp")
+                     if self.sizes[d] > 1 and (replicate or d != "dp_replicate"))
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return self.group(dims[0])
+        name = "model_" + "_".join(dims)
+        return self._admitted(self.device_mesh[dims]._flatten(name).get_group())
+
     def checkpoint_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank for DCP's asynchronous saves, whose collectives run in a
         writer thread: on a group of their own they never interleave with the training

@@ -1,4 +1,4 @@
-"""The optimizer and its learning-rate schedule: AdamW (or SGD) with weight decay on matrices,
+"""The optimizer and its learning-rate schedule: AdamW (or SGD, or Muon) with weight decay on matrices,
 one per pipeline stage stepped as one, and linear warmup then cosine decay."""
 
 from __future__ import annotations
@@ -7,28 +7,38 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from allhands.config import Config
+from allhands.muon import Muon, muon_matrices
 
 
-def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config) -> torch.optim.Optimizer:
-    """AdamW (or plain SGD, the linear case the DiLoCo H=1 test needs); weight decay on
-    matrices only (GPT-2/nanoGPT convention). ``model`` may be the list of this rank's pipeline
-    stages."""
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config,
+                    world: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD, the linear case the DiLoCo H=1 test needs, or Muon on the hidden
+    matrices with AdamW on the rest); weight decay on matrices only (GPT-2/nanoGPT convention).
+    ``model`` may be the list of this rank's pipeline stages. ``world``: Muon's group of the
+    ranks training this copy of the model (allhands.muon)."""
     o = cfg.optim
-    decay, no_decay = [], []
     if isinstance(model, list):
         if len(model) > 1:
-            return OptimizerParts([build_optimizer(m, cfg) for m in model])
+            return OptimizerParts([build_optimizer(m, cfg, world) for m in model])
         model = model[0]
+    matrices = {id(p) for p in muon_matrices(model)} if o.name == "muon" else set()
+    decay, no_decay, hidden = [], [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (hidden if id(p) in matrices else decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr)
+    if o.name == "muon":
+        return Muon([{"params": hidden, "weight_decay": o.weight_decay, "muon": True}, *groups],
+                    lr=o.lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps,
+                    ns_dtype=o.muon_ns_dtype, spread=o.muon_spread, betas=(o.beta1, o.beta2),
+                    eps=o.eps, world=world)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 

@@ -2,7 +2,8 @@
 MFU, step time per rank (a straggler shows as one line above the others), and communication: bytes
 per step (collective payload, its ring lower bound, and the interfaces' counters when the run
 had a non-loopback interface) beside the exposed share of step time; for a parameter-server run
-(``ps/server<i>.json``) the staleness histogram of the updates and each server's load and bytes."""
+(``ps/server<i>.json``) the staleness histogram of the updates and each server's load and bytes;
+for a mixture-of-experts run the load of every expert of every layer and its spread over steps."""
 
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def make_report(run_dir: Path) -> list[Path]:
     comm = [r for r in train if "comm_bytes" in r]
     if comm:
         save(plot_comm(plt, comm), "communication.png")
+    moe = [r for r in train if r.get("moe_load")]
+    if moe:
+        save(plot_moe(plt, moe), "experts.png")
     servers = [json.loads(p.read_text()) for p in sorted((run_dir / "ps").glob("server*.json"))]
     if servers:
         save(plot_ps(plt, servers), "ps.png")
@@ -117,6 +121,31 @@ def plot_ps(plt, servers: list[dict]):
                     (s["server"], 0), ha="center", va="bottom")
     bx.set_xlabel("server"), bx.set_ylabel("MB"), bx.set_title("per-server bytes and load")
     bx.legend(), bx.grid(alpha=0.3)
+    return fig
+
+
+def plot_moe(plt, rows: list[dict]):
+    """Expert load: the routed (token, expert) pairs per step of each expert of each MoE layer,
+    over the run, as a share of a perfectly balanced layer's (1.0 everywhere when balanced), and
+    the least and most loaded expert per logged step with the balancing loss beside."""
+    import numpy as np
+
+    load = np.mean([np.asarray(r["moe_load"], dtype=float) for r in rows], axis=0)  # (layers, E)
+    rel = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    im = ax.imshow(rel, aspect="auto", cmap="coolwarm", vmin=0.0, vmax=max(2.0, float(rel.max())))
+    fig.colorbar(im, ax=ax, label="load / balanced load")
+    ax.set_xlabel("expert"), ax.set_ylabel("MoE layer"), ax.set_title("expert load over the run")
+    steps = [r["step"] for r in rows]
+    bx.plot(steps, [r["moe_tokens_per_expert_max"] for r in rows], lw=1, label="most loaded expert")
+    bx.plot(steps, [r["moe_tokens_per_expert_min"] for r in rows], lw=1, label="least loaded expert")
+    bx.set_xlabel("step"), bx.set_ylabel("routed tokens per step"), bx.grid(alpha=0.3)
+    bx.set_title("expert load per step"), bx.legend(loc="upper left")
+    aux = [(r["step"], r["moe_aux_loss"]) for r in rows if "moe_aux_loss" in r]
+    if aux:
+        cx = bx.twinx()
+        cx.plot([a[0] for a in aux], [a[1] for a in aux], "C2--", lw=1)
+        cx.set_ylabel("balancing loss", color="C2")
     return fig
 
 

@@ -37,6 +37,7 @@ from allhands.metrics import MetricsWriter, slow_phase
 from allhands.optim import lr_lambda
 from allhands.parallel.layout import build_layout
 from allhands.parallel.moe_metrics import moe_record
+from allhands.plan.decoder import flops_per_sample
 from allhands.steplog import StepLog
 from allhands.sync import SyncBuilder, build_sync
 from allhands.trackers import selected
@@ -109,7 +110,8 @@ class Trainer(RunCheckpoints):
             (lambda: job.model(cfg)) if job.model else (lambda: build_reference_model(cfg, vocab)),
             loss_fn=self.loss_fn, global_batch=r.global_batch, device=mesh.device,
             bf16=prec.autocast or prec.param_dtype == torch.bfloat16, threads=torch.get_num_threads(),
-            devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier)
+            devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier,
+            formula=None if job.model else functools.partial(flops_per_sample, cfg.model, cfg.moe, vocab))
         self.flops: StepFlops | None = None
         self.saved_step = -1  # the step of this process's last save, alike on every rank
         self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)

@@ -26,7 +26,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from allhands.plan.search import format_plan, to_row
     from allhands.plan.usermodel import plan_command
 
-    cfg = load_config(args.config, args.set)
+    from allhands.models.resolve import resolve_model  # here, not at the top: it imports torch
+
+    cfg = resolve_model(load_config(args.config, args.set))  # a preset's or init_from's shape
     validate(cfg, need_data=False)
     if args.nproc < 1 or args.top < 1 or args.tokens < 0:
         raise ConfigError("--nproc and --top must be >= 1 and --tokens >= 0")
@@ -37,6 +39,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan_command(cfg, args.model, args.input, parse_cluster(args.cluster, args.nproc),
                            top=args.top, as_json=args.json))
         return 0
+    if args.check and cfg.model.family == "llama" and cfg.moe.n_experts:
+        raise ConfigError("--check trains dense models' layouts; a mixture of experts' predictions are "
+                          "checked by bench/moe.py: drop --check or set moe.n_experts=0")
     if args.cluster.partition(",")[0].partition(":")[0] == "local":
         from allhands.plan.calibrate import calibrate, recalibrated
 

@@ -139,6 +139,9 @@ def check_ps(cfg: Config) -> None:
                "aggregates every worker's gradient); use ps.mode=async or ssp", v)
     check(q.lr >= 0, "ps.lr", "must be >= 0 (0 = optim.lr)", q.lr)
     check(bool(q.optimizer), "ps.optimizer", "must be auto or a torch.optim class name", q.optimizer)
+    check(cfg.optim.name != "muon" or q.optimizer != "auto", "optim.name", "muon needs whole "
+          "matrices, and the parameter servers step flat pieces of them: use optim.name=adamw or "
+          "name a ps.optimizer", cfg.optim.name)
     check(bool(q.sparse.strip()), "ps.sparse", "must be auto, none or parameter names", q.sparse)
     check(q.row_init_std >= 0, "ps.row_init_std", "must be >= 0", q.row_init_std)
     # The servers hold the whole model as flat pieces and workers whole replicas: data

@@ -72,7 +72,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW (or Muon, or SGD) with linear warmup and cosine decay."""
 
     lr: float = _f(3e-3, "peak learning rate, > 0")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr, in [0, 1]")
@@ -82,7 +82,14 @@ class OptimConfig:
     beta2: float = _f(0.95, "AdamW beta2, in [0, 1)")
     eps: float = _f(1e-8, "AdamW epsilon, > 0")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value; 0 disables")
-    name: str = _f("adamw", "optimizer: adamw, or sgd (plain SGD with lr and weight_decay; no momentum)")
+    name: str = _f("adamw", "optimizer: adamw, sgd (plain SGD with lr and weight_decay; no momentum) or "
+                   "muon (Muon on the hidden matrices, AdamW on the rest; docs/muon.md)")
+    muon_momentum: float = _f(0.95, "muon: momentum of the matrices (Nesterov), in [0, 1)")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations, in [1, 99]")
+    muon_ns_dtype: str = _f("auto", "muon: Newton-Schulz dtype: auto (bfloat16 on CUDA, float32 on CPU), "
+                            "float32 or bfloat16")
+    muon_spread: bool = _f(True, "muon: each rank orthogonalizes a share of the matrices and sends the "
+                           "results back; false: every rank orthogonalizes every matrix")
 
 
 @dataclass

@@ -89,12 +89,23 @@ def build_model(fc: GPTConfig | LlamaConfig) -> nn.Module:
     return Llama(fc) if isinstance(fc, LlamaConfig) else GPT(fc)
 
 
+def _filled(section, default, values: dict):
+    out = dataclasses.replace(section)
+    for k, v in values.items():
+        if getattr(section, k) == getattr(default, k):
+            setattr(out, k, v)
+    return out
+
+
 def with_preset(m: ModelConfig) -> ModelConfig:
     """``m`` with its preset's values in the fields left at their defaults."""
     if not m.preset:
         return m
-    out, default = dataclasses.replace(m), ModelConfig()
-    for k, v in preset(m.preset).items():
-        if getattr(m, k) == getattr(default, k):
-            setattr(out, k, v)
-    return out
+    return _filled(m, ModelConfig(), {k: v for k, v in preset(m.preset).items() if k != "moe"})
+
+
+def moe_preset(m: ModelConfig, e: MoEConfig) -> MoEConfig:
+    """``e`` with the ``moe`` values of ``m``'s preset (a mixture of experts') in the fields left
+    at their defaults; ``e`` itself for a dense preset or none."""
+    values = preset(m.preset).get("moe") if m.preset else None
+    return _filled(e, MoEConfig(), values) if values else e

@@ -4,7 +4,8 @@ tests. tests/test_models_llama.py checks each against transformers' own model bu
 same numbers and against the published parameter count.
 
 A preset fills the ``model`` fields left at their defaults, so ``model.preset=llama3-8b`` with
-``model.n_layer=2`` is an 8B-wide model two blocks deep. ``seq_len`` stays the run's (the
+``model.n_layer=2`` is an 8B-wide model two blocks deep. A mixture of experts' preset fills the
+``moe`` section's fields the same way (``moe.n_experts=4`` keeps Mixtral's shape with 4 experts). ``seq_len`` stays the run's (the
 training sample length); ``max_positions`` records the context the model was published for.
 """
 
@@ -49,6 +50,15 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": {**_QWEN, "vocab_size": 151936, "n_embd": 4096, "n_layer": 36, "n_head": 32,
                  "n_kv_head": 8, "head_dim": 128, "ffn_hidden": 12288, "qk_norm": True,
                  "tie_embeddings": False, "max_positions": 40960},
+    # mixtures of experts: the ``moe`` section's values too (docs/models.md)
+    "mixtral-8x7b": {"family": "llama", "vocab_size": 32000, "n_embd": 4096, "n_layer": 32, "n_head": 32,
+                     "n_kv_head": 8, "ffn_hidden": 14336, "norm_eps": 1e-5, "rope_theta": 1000000.0,
+                     "tie_embeddings": False, "max_positions": 32768,
+                     "moe": {"n_experts": 8, "top_k": 2, "aux_coef": 0.02}},
+    "qwen3-30b-a3b": {**_QWEN, "vocab_size": 151936, "n_embd": 2048, "n_layer": 48, "n_head": 32,
+                      "n_kv_head": 4, "head_dim": 128, "ffn_hidden": 6144, "qk_norm": True,
+                      "tie_embeddings": False, "max_positions": 40960,
+                      "moe": {"n_experts": 128, "top_k": 8, "ffn_hidden": 768, "aux_coef": 0.001}},
     # tiny shapes for tests and the CPU; vocab_size 0 takes the data's
     "llama-tiny": {"family": "llama", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2,
                    "ffn_hidden": 160, "rope_theta": 500000.0, "rope_scaling": "llama3",
@@ -66,7 +76,11 @@ PUBLISHED_PARAMS = {
     "llama3.1-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
     "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
     "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+    "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
 }
+# The parameters a token passes through, as the model cards round them (Mixtral's "12.9B active",
+# Qwen3's "3.3B activated"): attention, the router and top_k of the experts, embedding and head.
+PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9}
 
 
 def preset(name: str) -> dict:

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from allhands.config import Config
-from allhands.models.build import moe_section, section_of, with_preset
+from allhands.models.build import moe_preset, moe_section, section_of, with_preset
 from allhands.models.hf import hf_config, is_hf_dir
 
 
@@ -26,7 +26,7 @@ def resolve_model(cfg: Config) -> Config:
         model.max_positions = positions
         moe = moe_section(fc.moe, cfg.moe) if model.family == "llama" else cfg.moe
     else:
-        model, moe = with_preset(cfg.model), cfg.moe
+        model, moe = with_preset(cfg.model), moe_preset(cfg.model, cfg.moe)
     if model == cfg.model and moe == cfg.moe:
         return cfg
     return dataclasses.replace(cfg, model=model, moe=moe)

@@ -218,7 +218,8 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
     cp = None
     if mesh.size("cp") > 1:  # the model masks documents by this token (data.packing=mask)
         cp = ContextParallel(mesh, doc_token=getattr(getattr(model, "cfg", None), "doc_token", -1))
-    optimizer = build_optimizer(parts, cfg)
+    world = mesh.model_group(not strategy.reconciles_replicas) if cfg.optim.name == "muon" else None
+    optimizer = build_optimizer(parts, cfg, world)
     if cfg.moe.n_experts and cfg.moe.balance == "bias":
         # DeepSeek-V3's bias step after each update, on loads summed over the data ranks
         optimizer.register_step_post_hook(

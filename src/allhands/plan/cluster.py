@@ -25,6 +25,14 @@ from allhands.plan.localtime import cached_calibration
 GiB = 2 ** 30
 
 
+def ring_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring collective over ``n`` ranks: all-reduce 2(n-1)/n of
+    ``nbytes``, all-gather and reduce-scatter (n-1)/n."""
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "allreduce" else 1.0) * (n - 1) / n * nbytes
+
+
 @dataclass(frozen=True)
 class Cluster:
     name: str

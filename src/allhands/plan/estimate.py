@@ -15,7 +15,8 @@ per eager op (fewer under compile, which fuses each block), ring collectives
 (all-reduce 2(n-1)/n B, all-gather/reduce-scatter (n-1)/n B) on the link their mesh dim spans
 (between nodes, the NICs of the group's members on a node), the part of data-parallel
 communication that backward/forward cannot hide, and the 1F1B bubble (pp - 1) microbatch times
-(Narayanan et al. 2021).
+(Narayanan et al. 2021). A mixture of experts adds its routed experts' state, all_to_all and
+expert-gradient reduction (experts.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import os
 from dataclasses import dataclass, field
 
 from allhands.config import Config
-from allhands.plan.cluster import Cluster
+from allhands.plan.cluster import Cluster, ring_bytes as _ring
 from allhands.plan.decoder import Decoder
+from allhands.plan.experts import a2a_seconds, expert_grad_comm, expert_shard, expert_state, stage_experts
 from allhands.plan.localtime import PARTIAL_REDUCES, local_step, partial_grad_tensors
+from allhands.plan.muon import hidden_matrices, muon_seconds, muon_state_saving
 
 # Values kept per block per token per C (see the docstring), by parallel.ac. Without recomputation,
 # Korthikanti et al.'s 34 bytes (16-bit activations) include two 1-byte dropout masks (attention
@@ -58,6 +61,7 @@ class Layout:
     ac: str = "none"
     compile: bool = False
     cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
+    ep: int = 1  # expert parallel: each rank of an ep group holds 1/ep of every MoE layer's experts
 
     @property
     def dp(self) -> int:
@@ -82,13 +86,14 @@ class Layout:
                 f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.zero={self.zero}",
                 f"parallel.pp_microbatches={self.microbatches if self.pp > 1 else 0}",
                 f"parallel.ac={self.ac}", f"run.compile={str(self.compile).lower()}",
-                f"parallel.cp={self.cp}"]
+                f"parallel.cp={self.cp}"] + ([f"parallel.ep={self.ep}"] if self.ep > 1 else [])
 
     def name(self) -> str:
         parts = [f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_shard > 1 and self.dp_replicate > 1
                  else f"dp{self.dp}", f"zero{self.zero}"]
         parts += [f"tp{self.tp}"] if self.tp > 1 else []
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"pp{self.pp}/m{self.microbatches}"] if self.pp > 1 else []
         parts += [f"ac:{self.ac}"] if self.ac != "none" else []
         parts += ["compile"] if self.compile else []
@@ -104,6 +109,8 @@ class Estimate:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     reason: str = ""  # why it cannot run; empty when it can
+    params: int = 0  # the model's parameters, every expert of a mixture of experts
+    active: int = 0  # those a token passes through (top_k experts)
 
     @property
     def feasible(self) -> bool:
@@ -115,15 +122,24 @@ def _stage_blocks(n_layer: int, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
+def _stage_layers(n_layer: int, pp: int) -> list[range]:
+    blocks = _stage_blocks(n_layer, pp)
+    return [range(sum(blocks[:s]), sum(blocks[:s + 1])) for s in range(pp)]
+
+
 def stage_params(cfg: Config, pp: int, tp: int, stage: int) -> tuple[int, int]:
     """(parameters this rank holds before data-parallel sharding, their tensor count) on pipeline
     stage ``stage``: tp shards q/k/v (or qkv) and fc (or gate/up) column-wise with their biases,
     the output projections row-wise, the embedding and head over the vocabulary; norms, position
-    embedding and row biases are replicated (parallel/tensor.py's plans; decoder.py)."""
-    d = Decoder.of(cfg.model)
-    blocks = _stage_blocks(d.n_layer, pp)[stage]
+    embedding and row biases are replicated (parallel/tensor.py's plans; decoder.py). Routed
+    experts are not counted here (experts.py's ``stage_experts``): ep splits them, not tp."""
+    d = Decoder.of(cfg.model, cfg.moe)
+    layers = _stage_layers(d.n_layer, pp)[stage]
+    moe = d.moe_in(layers)
     per, per_tensors = d.block_params(tp)
-    numel, tensors = blocks * per, blocks * per_tensors
+    per_moe, moe_tensors = d.block_params(tp, True)
+    numel = (len(layers) - moe) * per + moe * per_moe
+    tensors = (len(layers) - moe) * per_tensors + moe * moe_tensors
     if stage == 0:
         numel, tensors = numel + d.first_params(tp)[0], tensors + d.first_params(tp)[1]
     if stage == pp - 1:
@@ -133,13 +149,6 @@ def stage_params(cfg: Config, pp: int, tp: int, stage: int) -> tuple[int, int]:
 
 def _threads(cluster: Cluster) -> int:
     return max(1, (os.cpu_count() or 1) // cluster.per_node)
-
-
-def _ring(kind: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends in a ring collective over ``n`` ranks."""
-    if n <= 1:
-        return 0.0
-    return (2.0 if kind == "allreduce" else 1.0) * (n - 1) / n * nbytes
 
 
 def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
@@ -156,8 +165,11 @@ def _bw(cluster: Cluster, layout: Layout, dim: str) -> float:
     sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
              "cp": layout.cp, "tp": layout.tp}
     order = list(sizes)
+    ep = layout.ep
     if dim == "dp":  # dp_replicate x dp_shard, adjacent in the mesh
         size, stride = layout.dp, layout.tp * layout.cp
+    elif dim in ("ep", "edp"):  # the expert mesh (pp, edp, ep, tp): dp cut into ep-rank groups
+        size, stride = (ep, layout.tp) if dim == "ep" else (layout.dp // ep, ep * layout.tp)
     else:
         size, stride = sizes[dim], 1
         for d in order[order.index(dim) + 1:]:
@@ -218,36 +230,47 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     not during it; a fused cross-entropy kernel that reads the bf16 logits and writes their bf16
     gradient, with no fp32 copy (flash-attn's ``flash_attn.losses.cross_entropy.CrossEntropyLoss``,
     which saves the logits and a log-sum-exp per row, llm-foundry's default ``loss_fn``)."""
-    r, d = cfg.run, Decoder.of(cfg.model)
+    r, d = cfg.run, Decoder.of(cfg.model, cfg.moe)
     seq_layout, layout = layout, layout.grad_view()  # cp: sequences cut, parameters as dp's
     cp = seq_layout.cp
     c, t, v, tp, pp, n = d.c, d.t // cp, d.v, layout.tp, layout.pp, layout.dp_shard
-    est = Estimate(seq_layout)
+    est = Estimate(seq_layout, params=d.params(), active=d.active_params())
     act_bytes = 2 if bf16 else 4
-    adam = 8 if cfg.optim.name == "adamw" else 0
+    adam = 8 if cfg.optim.name in ("adamw", "muon") else 0  # muon: AdamW's on all but the matrices
+    muon = cfg.optim.name == "muon"
     # samples per forward on one rank: global batch / data-parallel ranks / accumulation / microbatches
     # (the cp ranks of a group share samples, each t = T / cp of their tokens)
     mb = r.global_batch / (layout.dp / cp * r.micro_batches * layout.microbatches)
-    blocks = _stage_blocks(d.n_layer, pp)
+    blocks, ranges = _stage_blocks(d.n_layer, pp), _stage_layers(d.n_layer, pp)
     worst = None
     for stage in range(pp):
         numel, tensors = stage_params(cfg, pp, tp, stage)
         p = 4.0 * numel
         state = train_state(layout, p, tensors, adam)
+        if muon:  # one momentum buffer on the hidden matrices, not two moments
+            state["optim"] -= muon_state_saving(hidden_matrices(d, blocks[stage], d.moe_in(ranges[stage])),
+                                                tp, n if layout.zero else 1)
+        e_numel, e_tensors = stage_experts(d, ranges[stage])
+        experts = expert_state(layout, e_numel, e_tensors, adam)
+        state = {k: v + experts[k] for k, v in state.items()}
         est.state_rank.append(sum(state.values()))
         in_flight = min(layout.microbatches, pp - stage) if pp > 1 else 1
         table = {**ACT_PER_BLOCK, "none": _act_none(cfg, act_bytes)}
         per_token = d.act_values(layout.ac, table)
         per_block = per_token * mb * t * c / tp * act_bytes
-        acts = in_flight * blocks[stage] * per_block
+        moe = d.moe_in(ranges[stage])  # their feed-forward whole on every tp rank
+        moe_extra = (d.ffn_act_values(layout.ac, True) - d.ffn_act_values(layout.ac) / tp) * mb * t * c * act_bytes
+        acts = in_flight * (blocks[stage] * per_block + moe * moe_extra)
         if layout.ac == "block":  # one block's intermediates live again during its recompute
             acts += d.act_values("none", table) * mb * t * c / tp * act_bytes
         if stage == pp - 1:  # logits, their fp32 copy for the loss and its gradient; fused: the
             # logits and their gradient, both in the activations' dtype
             acts += 3 * mb * t * v * 4 if loss == "fp32" else 2 * mb * t * v * act_bytes
         block_params = 4.0 * d.block_params(tp)[0] * (2 / 4 if bf16 and layout.zero >= 2 else 1)
+        layer_experts = 4.0 * d.expert_params() / layout.ep * (2 / 4 if bf16 and layout.zero >= 2 else 1)
         gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
-                    2: blocks[stage] * block_params, 3: 2 * block_params}[layout.zero]
+                    2: blocks[stage] * block_params + moe * layer_experts,
+                    3: 2 * block_params + min(moe, 2) * layer_experts}[layout.zero]
         mem = {**state, "activations": acts, "buffers": gathered + cluster.runtime}
         mem["total"] = sum(mem.values())
         if worst is None or mem["total"] > worst["total"]:
@@ -261,13 +284,15 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     # ---- time: the busiest stage (the first one holds the remainder blocks and the embedding)
     peak = cluster.peak(bf16)
     tokens_mb = mb * t
-    layer_flops = d.flops_per_token(n_layer=1, head=False) * tokens_mb / tp
+    layers_flops = max(d.layers_flops(rng, tp) for rng in ranges) * tokens_mb
     head_flops = 6 * v * c * tokens_mb / tp
-    stage_flops = max(blocks) * layer_flops + (head_flops if pp == 1 else head_flops / 2)
-    recompute = max(blocks) * layer_flops / 3 if layout.ac == "block" else 0.0
+    stage_flops = layers_flops + (head_flops if pp == 1 else head_flops / 2)
+    recompute = layers_flops / 3 if layout.ac == "block" else 0.0
     # the passes were counted on the GPT's element-wise widths (8 C a block); a family's scale with its own
     ew = EW_PASSES[layout.compile] * d.ew_width() / 8 * tokens_mb * c / tp * act_bytes * max(blocks) \
         / cluster.mem_bw
+    moe = max(d.moe_in(rng) for rng in ranges)  # MoE layers on the busiest stage
+    ew += moe * d.moe_ew_values() * tokens_mb * act_bytes / cluster.mem_bw
     eager = d.eager_ops() if not layout.compile else 1.0
     ops = (OPS_PER_BLOCK[layout.compile] * eager * max(blocks) + 30) * cluster.op_overhead
     if attention == "materialized":  # element-wise passes over (mb, heads, T, T) per block
@@ -300,14 +325,31 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     if tp > 1:  # each Partial gradient all-reduced by every op that reads it: NCCL's latency a call
         optim += PARTIAL_REDUCES * partial_grad_tensors(cfg, max(blocks), pp == 1) * (
             lat + _ring("allreduce", 4.0 * c, tp) / _bw(cluster, layout, "tp"))
-    step = compute + bubble + exposed + tp_comm + cp_comm + pp_comm + optim
-    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + cp_comm + pp_comm,
-                "comm_exposed": exposed + tp_comm + cp_comm + pp_comm, "optimizer": optim, "step": step}
-    if cluster.calib and cp == 1:  # this machine: composed from its calibration (localtime.py)
+    ep_comm = r.micro_batches * layout.microbatches * moe * a2a_seconds(
+        d, layout, tokens_mb, act_bytes, _bw(cluster, layout, "ep"), lat)
+    e_numel, e_tensors = stage_experts(d, ranges[0])
+    e_reduce, e_exposed = expert_grad_comm(
+        layout, 4.0 * e_numel / layout.ep, d.moe_in(ranges[0]), _bw(cluster, layout, "edp"), lat, bf16,
+        cfg.parallel.reduce_dtype == "bf16", max(0.0, compute - reduce))
+    if e_numel:
+        optim += 28.0 * e_numel / layout.ep / expert_shard(layout) / cluster.mem_bw
+    reduce, exposed = reduce + e_reduce, exposed + e_exposed
+    step = compute + bubble + exposed + tp_comm + cp_comm + pp_comm + ep_comm + optim
+    est.time = {"compute": compute, "bubble": bubble, "comm": reduce + tp_comm + cp_comm + pp_comm + ep_comm,
+                "comm_exposed": exposed + tp_comm + cp_comm + pp_comm + ep_comm, "optimizer": optim,
+                "step": step}
+    if d.moe_layers:
+        est.time["all_to_all"] = ep_comm
+    if cluster.calib and cp == 1 and not d.moe_layers:  # this machine: composed from its calibration (localtime.py)
         shape = [stage_params(cfg, pp, tp, s) for s in range(pp)]
         est.time = local_step(cfg, layout, cluster.calib, blocks=blocks, numel=[x[0] for x in shape],
                               tensors=[x[1] for x in shape], threads=_threads(cluster))
         step = est.time["step"]
+    if muon:  # Newton-Schulz and its exchange, on the busiest stage
+        extra = muon_seconds(cfg, hidden_matrices(d, max(blocks), d.moe_in(ranges[0])), layout, cluster,
+                             _bw(cluster, layout, "dp"))
+        est.time["optimizer"] += extra
+        est.time["step"] = step = step + extra
     flops_step = d.flops_per_token() * d.t * r.global_batch
     est.tokens_per_s = r.global_batch * d.t / step
     est.mfu = flops_step / step / (peak * seq_layout.world)
