@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from allhands.chaos import check as chk
 from allhands.chaos.run import KINDS, inject_spec, plan_chaos
 from allhands.checkpoint.checkpointer import Checkpointer
@@ -80,7 +82,7 @@ def test_the_checker_finds_a_job_process_by_its_tag():
         assert not chk.tagged_processes("t-other")
     finally:
         p.kill()
-        p.wait()
+        p.wait(timeout=60)
     assert not chk.tagged_processes("t-123")
 
 
@@ -203,3 +205,56 @@ def test_a_stop_signal_to_a_ps_jobs_launcher_ends_every_process_of_it(token_dir,
     while chk.tagged_processes("ps-stop-test") and time.time() < end:
         time.sleep(0.2)
     assert not chk.tagged_processes("ps-stop-test")
+
+
+def test_a_killed_launchers_multiprocessing_directory_is_swept_a_live_one_is_not(tmp_path):
+    """What a SIGKILLed launcher leaves in the shared temporary directory (its ``pymp-*`` with
+    the forkserver's socket, bound by nobody now) goes at the next job's start; a directory whose
+    socket is still bound, that holds anything else, or that is empty (its process has yet to
+    bind there) stays."""
+    import socket
+
+    from allhands.safefs import sweep_stale
+
+    def pymp(name: str, keep_bound: bool) -> tuple[Path, socket.socket]:
+        d = tmp_path / name
+        d.mkdir(mode=0o700)
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(d / "listener-x"))
+        s.listen()
+        if not keep_bound:
+            s.close()
+        return d, s
+
+    dead, _ = pymp("pymp-dead", keep_bound=False)
+    live, held = pymp("pymp-live", keep_bound=True)
+    other, _ = pymp("pymp-other", keep_bound=False)
+    (other / "arena").write_bytes(b"x")
+    empty = tmp_path / "pymp-empty"
+    empty.mkdir(mode=0o700)
+    try:
+        assert sweep_stale(tmp_path) == [dead]
+        assert not dead.exists() and live.exists() and other.exists() and empty.exists()
+    finally:
+        held.close()
+
+
+def test_a_live_directory_is_not_swept_from_another_network_namespace(tmp_path):
+    """/proc/net/unix lists only this network namespace's sockets: a sweep from another one (a
+    lab host's job sharing /tmp) still sees the live forkserver's socket bound here."""
+    import shutil
+    import socket
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) to enter a new network namespace")
+    live = tmp_path / "pymp-live"
+    live.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as held:
+        held.bind(str(live / "listener-x"))
+        held.listen()
+        code = "import sys; from pathlib import Path; from allhands.safefs import sweep_stale; " \
+               "print(sweep_stale(Path(sys.argv[1])))"
+        r = subprocess.run(["unshare", "--net", sys.executable, "-c", code, str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    assert live.exists()

@@ -83,10 +83,60 @@ def private_tmp() -> Iterator[Path]:
         os.close(held)
 
 
+def _bound_unix_sockets() -> set[str] | None:
+    """The paths of the Unix sockets bound in every network namespace that one of this user's
+    processes is in (Linux: /proc/PID/net/unix, one read per namespace), or None where /proc
+    cannot tell. /proc/net/unix alone lists only this process's namespace: from a test's or a
+    container's namespace sharing /tmp, a live forkserver elsewhere would look unbound."""
+    seen: set[str] = set()
+    bound: set[str] = set()
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+                continue
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            if ns in seen:
+                continue
+            lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        seen.add(ns)
+        bound |= {f[7] for f in map(str.split, lines) if len(f) > 7}
+    return bound if seen else None
+
+
+def sweep_stale_pymp(shared: Path) -> list[Path]:
+    """Remove this user's multiprocessing ``pymp-*`` directories in ``shared`` that hold one or
+    more sockets and nothing else, none of them bound any more: what a launcher killed by a
+    signal (and its forkserver, if that did not get to it: forkstart.py) left behind. A live one
+    is never touched (its forkserver's socket is bound), nor an empty one (a process that just
+    made it has yet to bind its socket there); nothing is connected to."""
+    bound, removed = _bound_unix_sockets(), []
+    if bound is None:
+        return removed
+    for d in shared.glob("pymp-*"):
+        try:
+            if d.is_symlink() or d.stat().st_uid != os.geteuid():
+                continue
+            entries = list(d.iterdir())
+            if entries and all(stat.S_ISSOCK(e.lstat().st_mode) and str(e) not in bound
+                               for e in entries):
+                for e in entries:
+                    e.unlink()
+                d.rmdir()
+                removed.append(d)
+        except OSError:
+            continue
+    return removed
+
+
 def sweep_stale(shared: Path) -> list[Path]:
     """Remove private temporary directories of this user that no running launcher holds (the
-    lock of a killed one went with it); returns what was removed. Another user's are left alone."""
-    removed = []
+    lock of a killed one went with it), and its dead multiprocessing directories
+    (:func:`sweep_stale_pymp`); returns what was removed. Another user's are left alone."""
+    removed = sweep_stale_pymp(shared)
     try:
         entries = [e for e in os.scandir(shared) if e.name.startswith(f"{_PREFIX}{os.geteuid()}-")]
     except OSError:

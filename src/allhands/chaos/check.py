@@ -7,12 +7,15 @@ random, the rules are not. One row per rule, all of them in one table:
 - ``commits``: the newest committed step, as observed while it ran, never went backwards (a
   checkpoint torn on purpose may take its own step back, no other);
 - ``parameters``: restart mode, the final parameters equal an undisturbed run's bit for bit;
-  replica and ps modes, every group that completed holds the same final parameters;
+  replica mode, every group that completed holds the same final parameters; ps mode (async or
+  ssp, whose workers' copies never agree by design), the servers committed the final step and
+  every tensor of it is finite;
 - ``faults``: every fault that fired is in some world's ``restarts.jsonl``, detected within the
   hang timeout (plus slack) and followed by a completed step (its recovery), unless it is one
-  whose recovery is not a restart (a torn checkpoint; a killed launcher, which the runner resumes);
+  whose recovery is not a restart (a torn checkpoint; a killed launcher, which the runner resumes,
+  and any fault whose restart that launcher took with it: the resume recovers it);
 - ``leftovers``: no process of the job (found by a tag in its environment), no shared-memory
-  segment it made, nothing in its temporary directory is left;
+  segment it made, nothing in its temporary directory is left (but torch's compile cache);
 - ``silence``: no world went longer than the hang timeout plus 10 s without a line of its own
   (a step in metrics.jsonl, a restart record).
 
@@ -87,38 +90,63 @@ def _ends(r: Record) -> Row:
     return Row("ends", ok, f"exit {r.exit_code}: " + ("resume line given" if ok else f"no resume line: {r.last_line[:80]!r}"))
 
 
-def _commits(r: Record) -> Row:
+def commits_back(r: Record) -> list[str]:
+    """Each time the newest committed step went backwards ('HIGH->STEP'), but from a torn one."""
     high, back = -1, []
     for t, step in sorted(r.commits):
         if step < high and high not in r.torn:
             back.append(f"{high}->{step}")
         high = step if high in r.torn else max(high, step)
+    return back
+
+
+def _commits(r: Record) -> Row:
+    back = commits_back(r)
     return Row("commits", not back, "never backwards" if not back else f"went back: {', '.join(back[:3])}")
 
 
 def _parameters(r: Record) -> Row:
-    what = "equal to the undisturbed run" if r.mode == "restart" else "equal across the groups"
+    what = {"restart": "equal to the undisturbed run", "ps": "equal the servers' final step, finite"}.get(
+        r.mode, "equal across the groups")
     if r.params_equal is None:
         return Row("parameters", r.exit_code != 0, "not compared (the job did not complete)")
     return Row("parameters", r.params_equal, what if r.params_equal else what.replace("equal", "NOT equal"))
 
 
-def _faults(r: Record) -> Row:
-    missing, detect, recover = [], [], []
+def recoveries(r: Record) -> list[tuple[Fired, float | None, float | None]]:
+    """Each fault that fired and is recovered by a restart (or a resume), with its detection
+    (seconds to its restart record or the resume) and its recovery (to the first step after
+    that); None where that is missing. Faults whose recovery is not a restart are left out."""
+    out = []
     events = sorted(r.restarts, key=lambda e: e["failed_at"])
     steps = sorted(t for ts in r.step_times.values() for t in ts)
     for f in r.fired:
         if f.kind in NOT_RESTARTED:
             continue
         limit = f.at + r.hang_timeout_s * (f.kind == "hang") + DETECT_SLACK_S
-        ev = next((e for e in events if f.at <= e["failed_at"] <= limit), None)
+        ev = next((e["failed_at"] for e in events if f.at <= e["failed_at"] <= limit), None)
         if ev is None:
+            # a killed launcher that took this fault's recovery with it: the runner's resume
+            # (which it follows) recovers both
+            ev = next((t for t in r.relaunched if f.at <= t and not any(
+                f.at <= e["failed_at"] <= t for e in events)), None)
+        if ev is None:
+            out.append((f, None, None))
+            continue
+        after = [t for t in steps if t > ev]
+        out.append((f, ev - f.at, after[0] - f.at if after else None))
+    return out
+
+
+def _faults(r: Record) -> Row:
+    missing, detect, recover = [], [], []
+    for f, d, rec in recoveries(r):
+        if d is None:
             missing.append(f"{f.kind}@{f.at - r.started:.0f}s")
             continue
-        detect.append(ev["failed_at"] - f.at)
-        after = [t for t in steps if t > ev["failed_at"]]
-        if after:
-            recover.append(after[0] - f.at)
+        detect.append(d)
+        if rec is not None:
+            recover.append(rec)
         elif r.exit_code == 0:
             missing.append(f"{f.kind}@{f.at - r.started:.0f}s (no step after)")
     n = sum(f.kind not in NOT_RESTARTED for f in r.fired)
@@ -127,8 +155,15 @@ def _faults(r: Record) -> Row:
     return Row("faults", not missing, detail + (f"; missing: {', '.join(missing[:3])}" if missing else ""))
 
 
+# torch's compile cache (torchinductor_USER), made in the temporary directory on the first import
+# of torch._dynamo (the forkserver's preload) and meant to serve later jobs: not the job's
+KEPT_BY_DESIGN = ("torchinductor_",)
+
+
 def _leftovers(r: Record) -> Row:
-    left = {k: v for k, v in r.leftovers.items() if v}
+    left = {k: [x for x in v if not (k == "tmp" and x.startswith(KEPT_BY_DESIGN))]
+            for k, v in r.leftovers.items()}
+    left = {k: v for k, v in left.items() if v}
     return Row("leftovers", not left, "none" if not left else
                "; ".join(f"{k}: {', '.join(v[:3])}" + (f" (+{len(v) - 3})" if len(v) > 3 else "")
                          for k, v in left.items()))

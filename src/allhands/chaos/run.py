@@ -168,9 +168,10 @@ def _train(args: list[str], env: dict, log: Path) -> tuple[int, str]:
 
 
 def run_chaos(cfg: Config, spec, *, config_path: str | None, sets: list[str], duration_s: float,
-              seed: int, out=sys.stdout) -> bool:
+              seed: int, out=sys.stdout, report: dict | None = None) -> bool:
     """The chaos run of ``cfg`` (``config_path`` and ``sets`` as given to the drill, for the
-    job's own command line), then the checker's table. True when every invariant held."""
+    job's own command line), then the checker's table. True when every invariant held.
+    ``report``, if given, receives the run's ``record``, the checker's ``rows`` and the ``plan``."""
     spec = spec.validated()
     mode = mode_of(cfg)
     servers = cfg.ps.servers if mode == "ps" else 0
@@ -223,6 +224,8 @@ def run_chaos(cfg: Config, spec, *, config_path: str | None, sets: list[str], du
     print(chk.table(rows), file=out)
     print(f"faulted job {ended - t0:.1f} s, {len(relaunched)} relaunch(es) after a killed launcher; runs in "
           f"{base}", file=out, flush=True)
+    if report is not None:  # bench/chaos.py's figures
+        report.update(record=record, rows=rows, plan=plan)
     return all(r.ok for r in rows)
 
 
@@ -243,11 +246,30 @@ def _record(cfg: Config, mode: str, workers: int, run_dir: Path, reference: Path
     equal = None
     if complete:
         equal = (same_parameters(cfg, reference, run_dir) if reference is not None
+                 else servers_final(cfg, run_dir) if mode == "ps"
                  else members_equal(cfg, run_dir, groups)[0])
     return chk.Record(mode=mode, steps=cfg.run.steps, exit_code=code, last_line=last,
                       final_steps=got["final_steps"], commits=outside.commits, torn=outside.torn,
                       restarts=got["restarts"], step_times=got["step_times"], fired=fired,
                       hang_timeout_s=cfg.fault.hang_timeout_s, params_equal=equal, started=t0, ended=ended)
+
+
+def servers_final(cfg: Config, run_dir: Path) -> bool:
+    """A parameter server's rule (replica mode runs async or ssp: the workers' copies are as
+    stale as their last pull, and agree with nobody's by design): the servers committed the final
+    step, and every tensor of it is finite."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.utils._pytree import tree_leaves
+
+    from allhands.checkpoint.safe import SafeFileSystemReader
+
+    found = committed(run_dir / "ps-checkpoints")
+    if not found or found[-1][0] != cfg.run.steps:
+        return False
+    state = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(found[-1][1]))
+    tensors = [v for v in tree_leaves(state) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return bool(tensors) and all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _kind(marker: str, workers: int) -> str:

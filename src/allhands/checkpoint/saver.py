@@ -61,24 +61,30 @@ class Saver:
         self._jobs.put((p, planner))
 
     def close(self) -> None:
-        """Not blocking: the thread ends once the save in flight (if any) is done."""
+        """Not blocking: the thread ends once the save in flight (if any) is done. Each save's
+        tensors are freed in ``_write``'s frame, so the thread's own exit frees none: one still
+        freeing tensors when the interpreter finalizes is killed inside torch's deallocation
+        (``terminate called without an active exception``, exit -6)."""
         self._jobs.put(None)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            p, planner = job
-            try:
-                staged = p.copy.result()
-                dcp.save(staged, storage_writer=p.writer, planner=planner, process_group=self._group)
-            except BaseException as e:  # DCP's CheckpointException derives from BaseException
-                p.error = e
-                p.future.set_exception(e)
-                p.committed.set()
-                continue
-            p.future.set_result(None)
-            if self._commit is not None:
-                try:
-                    self._commit(p)
-                except BaseException as e:
-                    p.error = e
+            self._write(*job)
+            del job  # the staged tensors are freed in _write's frame, not at the thread's exit
+
+    def _write(self, p: Pending, planner: Any) -> None:
+        try:
+            staged = p.copy.result()
+            dcp.save(staged, storage_writer=p.writer, planner=planner, process_group=self._group)
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            p.error = e
+            p.future.set_exception(e)
             p.committed.set()
+            return
+        p.future.set_result(None)
+        if self._commit is not None:
+            try:
+                self._commit(p)
+            except BaseException as e:
+                p.error = e
+        p.committed.set()

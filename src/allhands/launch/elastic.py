@@ -176,6 +176,24 @@ class LocalAgent(LocalElasticAgent):
         # SIGTERM before they handled it.
         super()._shutdown(signal.SIGKILL, timeout)
 
+    def _start_workers(self, worker_group):
+        result = super()._start_workers(worker_group)
+        # torch's monitor also stops the workers itself once one failed, with SIGTERM and a 30 s
+        # grace before the SIGKILL: a program's in PContext._poll -> close(), a function's in
+        # torch.multiprocessing's ProcessContext.join. A survivor blocked in C++ (gloo
+        # connecting to the dead peer) never reaches its SIGTERM handler, so the job waited
+        # 30 s. The others had LOCAL_SETTLE_S to exit by themselves already: kill at once.
+        pc = self._pcontext
+        if pc is not None:
+            close = pc.close
+            pc.close = lambda death_sig=None, timeout=30: close(death_sig or signal.SIGKILL, timeout)
+            procs = getattr(pc, "_pc", None)  # MultiprocessContext's torch.multiprocessing context
+            if procs is not None:
+                join = procs.join
+                procs.join = lambda timeout=None, grace_period=None: join(
+                    timeout, 0 if grace_period is None else grace_period)
+        return result
+
     def _monitor_workers(self, worker_group):
         exits = self._settle_local_exits()
         result = super()._monitor_workers(worker_group)

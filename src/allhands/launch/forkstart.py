@@ -29,9 +29,9 @@ start, a forked one would take from the server as it was when *it* started; so i
   output to its end (a pipe, ``| tee``, a test) waits for the server's exit too; that exit skips
   the interpreter's last collection of torch's whole heap, as the CLI's own exit does
   (:func:`_at_server_exit`). multiprocessing puts the server's socket in the launcher's ``pymp-*``
-  directory, which a launcher killed by a signal or ended by ``os._exit`` leaves behind (mode
-  0700). The server does not remove it: a process spawned by the launcher inherits the same
-  directory and may still be using it.
+  directory, which a launcher killed by a signal leaves behind (mode 0700); the server, which
+  outlives it, removes its socket and then the directory if that emptied it (a process spawned
+  by the launcher inherits the same directory and may still hold files there).
 
 What the preload leaves in the server: no open file but its own socket and pipes, and one idle
 native thread that ``import torch`` starts; a fork keeps only the forking thread, as it does for
@@ -42,6 +42,7 @@ in the child with ``pthread_atfork``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -92,15 +93,24 @@ def ensure_server() -> str:
         return "forkserver" if fs._forkserver_pid == _server_pid[0] else "spawn"
 
 
-def _at_server_exit(server: int) -> None:
-    """The server's end (see above): no collection of the heap at the interpreter's exit."""
-    if os.getpid() == server:  # a forked worker ends by os._exit; this is for the server only
-        gc.freeze()
+def _at_server_exit(server: int, parent: int) -> None:
+    """The server's end (see above): no collection of the heap at the interpreter's exit; and
+    when its launcher died without a word (SIGKILL: the server was handed to another parent),
+    its socket and, if nothing else is left in it, the launcher's ``pymp-*`` directory."""
+    if os.getpid() != server:  # a forked worker ends by os._exit; this is for the server only
+        return
+    address = forkserver._forkserver._forkserver_address
+    if os.getppid() != parent and isinstance(address, str) and \
+            os.path.basename(os.path.dirname(address)).startswith("pymp-"):
+        with contextlib.suppress(OSError):  # its own socket; the directory only if that was all
+            os.unlink(address)
+            os.rmdir(os.path.dirname(address))
+    gc.freeze()
 
 
 if SERVER_ENV in os.environ:  # imported by the preload of a server ensure_server started
     os.environ.pop(SERVER_ENV)
-    atexit.register(_at_server_exit, os.getpid())
+    atexit.register(_at_server_exit, os.getpid(), os.getppid())
 
 
 class Inherited:

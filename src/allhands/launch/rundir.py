@@ -62,12 +62,19 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
             run_dir = run_dir.with_name(run_dir.name.split("+")[0] + f"+{n}")
     run_dir = run_dir.resolve()
     cfg.run.dir = str(run_dir)
-    if not (cfg.data.path or cfg.data.mix):
-        cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
+    with_data(cfg)
     check_token_data(cfg.data.path, cfg.model.seq_len, cfg.run.global_batch)
     check_run_dir(run_dir)
     if write:
         _write(run_dir, to_toml(cfg))
+    return cfg
+
+
+def with_data(cfg: Config) -> Config:
+    """``cfg`` with ``data.path`` set to the embedded corpus (prepared once per machine) when
+    it names no data."""
+    if not (cfg.data.path or cfg.data.mix):
+        cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
     return cfg
 
 

@@ -41,9 +41,11 @@ def _life(store: dist.Store, key: str) -> int:
 
 
 def _link(roles: w.Roles, mesh: Mesh, worker: int, server: int, life: int, slife: int, rank: int,
-          timeout_s: float) -> dist.ProcessGroup:
-    """Admitted under the link store's secret: each world's launcher made its own job secret."""
-    return mesh.cross_role_group(dist.PrefixStore(f"link/{worker}/{server}/{life}/{slife}/", roles.links),
+          timeout_s: float, store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Admitted under the link store's secret: each world's launcher made its own job secret.
+    ``store``: the link store's client to make it through (default ``roles.links``)."""
+    store = roles.links if store is None else store
+    return mesh.cross_role_group(dist.PrefixStore(f"link/{worker}/{server}/{life}/{slife}/", store),
                                  rank, 2, timeout_s, secret=roles.link_secret)
 
 
@@ -155,7 +157,12 @@ class Hub:
 
     def _listen(self, k: int, life: int, turn: threading.Semaphore) -> None:
         try:
-            pg = _link(self.roles, self.mesh, k, self.roles.index, life, self.incarnation, 1, self.timeout_s)
+            # Through a client of its own: a TCPStore client runs one request at a time, and gloo
+            # waits in it for the worker's records (up to timeout_s, for an incarnation that died
+            # before linking), which held up the loop's own store reads and with them the
+            # server's heartbeat: its watchdog took it for hung, again at every restart
+            pg = _link(self.roles, self.mesh, k, self.roles.index, life, self.incarnation, 1, self.timeout_s,
+                       store=self.store.clone())
         except RuntimeError:  # the worker died or finished before linking (the store timed out)
             self.queue.put((k, life, None, None))
             return
