@@ -6,11 +6,14 @@ TORCH ?= torch==2.13.0
 
 .PHONY: setup train test bench clean
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# The test and dev tools are pinned in constraints.txt (pip freeze of a working venv, less torch
+# and allhands): a fresh clone installs exactly what CI ran. A change to it or to pyproject.toml
+# rebuilds the venv from scratch, so nothing stale survives.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv --clear $(VENV)
+	$(PY) -m pip install -q "pip==26.3"
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -19,11 +22,11 @@ train: setup
 	$(VENV)/bin/allhands train
 
 # Two pytest-xdist workers: most of a test's time is spent starting processes (importing torch)
-# and waiting on timeouts, so two at once fill two cores. Tests sharing a job or a network lab stay
-# on one worker (tests/conftest.py); the `serial` ones time things, so they run alone afterwards.
+# and waiting on timeouts, so two at once fill two cores. Tests that share a machine-wide
+# resource hold its lock (tests/isolation.py); the `serial` ones time things, so they run alone
+# afterwards. tests/suite.py runs both parts whatever the first gives, then names every failure.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial"
-	$(PY) -m pytest -q -m serial
+	$(PY) tests/suite.py
 
 bench: setup
 	$(PY) bench/overhead.py

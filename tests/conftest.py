@@ -13,6 +13,16 @@ from allhands.data import prepare
 from allhands.data.shards import embedded_text
 from allhands.launch.launcher import LaunchSpec, train_job
 
+import isolation
+from isolation import shared_once
+
+# The isolation plugin's hooks and fixture (tests/isolation.py), registered as this conftest's.
+pytest_configure = isolation.pytest_configure
+pytest_collection_modifyitems = isolation.pytest_collection_modifyitems
+pytest_sessionstart = isolation.pytest_sessionstart
+pytest_sessionfinish = isolation.pytest_sessionfinish
+_exclusive_marked = isolation._exclusive_marked
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # model.bias=false: the key projection's bias cannot change any output (it adds the same q.b_k to
@@ -38,10 +48,11 @@ def _no_stop_left_over():
 
 @pytest.fixture(scope="session")
 def token_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tokens")
-    docs = embedded_text().split("\n\n")[:300]
-    prepare(docs, out, val_fraction=0.1)
-    return out
+    """300 documents of the embedded corpus as token shards, prepared once per test run."""
+    def build(directory: Path) -> str:
+        prepare(embedded_text().split("\n\n")[:300], directory, val_fraction=0.1)
+        return str(directory)
+    return Path(shared_once(tmp_path_factory, "tokens", build))
 
 
 def tiny_config(token_dir: Path, run_dir: Path, *extra: str) -> Config:
@@ -71,25 +82,9 @@ LAB_JOB = ["run.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=5", "ru
 @pytest.fixture(scope="session")
 def lab_undisturbed(token_dir, tmp_path_factory) -> Config:
     """The lab job undisturbed at the same world size (2 workers, in-process on this host): what
-    a job whose lost host was started again must end bit-identical to. Trained once for the
-    tests that only read its parameters (they use ``lab``, so they share a pytest worker)."""
-    return train_job(tiny_config(token_dir, tmp_path_factory.mktemp("lab") / "undisturbed", *LAB_JOB),
-                     LaunchSpec(nproc=2))
-
-
-# Module-scoped fixtures that train a job or build a network lab, used by a few long tests. Under
-# pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) each worker would build its own copy;
-# the tests that use one go to one worker instead, so the job trains once. All lab users share
-# one group: two labs at once would double the CPU load on tests whose keep-alive timeouts are
-# seconds. (test_bad_inputs' `finished` is not here: its table of ~75 short commands gains more
-# from two workers than a second tiny run costs.)
-SHARED_FIXTURES = {"undisturbed": None, "lab": "netlab", "lab_undisturbed": "netlab"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        shared = sorted(set(SHARED_FIXTURES) & set(item.fixturenames))
-        if shared and not item.get_closest_marker("xdist_group"):
-            name = SHARED_FIXTURES[shared[0]] or f"{item.module.__name__}:{shared[0]}"
-            item.add_marker(pytest.mark.xdist_group(name))
+    a job whose lost host was started again must end bit-identical to. Trained once per test
+    run, whichever worker asks first, for the tests that only read its parameters."""
+    def build(directory: Path) -> dict:
+        return train_job(tiny_config(token_dir, directory / "undisturbed", *LAB_JOB),
+                         LaunchSpec(nproc=2)).to_dict()
+    return Config.from_dict(shared_once(tmp_path_factory, "lab_undisturbed", build))

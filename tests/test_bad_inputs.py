@@ -58,15 +58,16 @@ def read_only(tmp_path_factory, finished):
     """A read-only filesystem holding a copy of ``finished``'s metrics (root ignores chmod, so a
     real read-only mount: a tmpfs remounted ro)."""
     mnt = tmp_path_factory.mktemp("ro")
-    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mnt)], capture_output=True,
+                      timeout=60).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
     try:
         (mnt / "run").mkdir()
         (mnt / "run" / "metrics.jsonl").write_bytes((finished / "metrics.jsonl").read_bytes())
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, timeout=60)
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", str(mnt)], check=False, timeout=60)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -184,7 +185,9 @@ CLI = [
 
 
 @pytest.mark.parametrize("argv,code,says", CLI, ids=[" ".join(c[0][:3]) for c in CLI])
-def test_cli_bad_input_is_one_line(argv, code, says, places, finished, capsys, request):
+def test_cli_bad_input_is_one_line(argv, code, says, places, finished, capsys, request, tmp_path,
+                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default run.dir (runs/...) would land here, not in the checkout
     fill = dict(places, finished=finished)
     if any("{ro}" in a for a in argv):
         fill["ro"] = request.getfixturevalue("read_only")

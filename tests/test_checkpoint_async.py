@@ -119,11 +119,11 @@ def test_a_copy_that_fails_to_start_is_a_failed_save_not_a_hang(tmp_path, monkey
     stager = ckpt._stager_once()
     monkeypatch.setattr(stager, "stage", lambda sd, **kw: (_ for _ in ()).throw(MemoryError("no host memory")))
     ts.step += 1
-    t0 = time.monotonic()
     ckpt.save(ts.step, state)
     ckpt.before_update()
+    # Bounded, so that the hang this guards against fails here instead of blocking ckpt.wait.
+    assert ckpt._pending.committed.wait(120), "the write thread still waits for a copy that never started"
     ckpt.wait()
-    assert time.monotonic() - t0 < 30
     assert ckpt.failures == 1 and "no host memory" in ckpt.warnings[0], ckpt.warnings
     assert ckpt.latest()[0] == ts.step - 1  # the previous checkpoint stays
     assert not list(tmp_path.glob(".tmp-*"))

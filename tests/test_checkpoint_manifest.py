@@ -39,7 +39,7 @@ def test_only_the_checkpoint_writer_thread_skips_the_zip_crc():
         try:
             seen["writer"] = _saved(t)
             seen["other"] = None
-            done.wait(5)  # another thread saves while this one is still a writer
+            done.wait(60)  # another thread saves while this one is still a writer
         finally:
             IN_WRITER.active = False
 

@@ -81,8 +81,8 @@ def test_validate_allows_the_defaults():
 
 def test_config_show_subprocess_exit_codes(cli_env):
     ok = subprocess.run([*ALLHANDS, "config", "show", "--set", "optim.lr=1e-4", "--docs"],
-                        capture_output=True, text=True, env=cli_env)
+                        capture_output=True, text=True, env=cli_env, timeout=120)
     assert ok.returncode == 0 and "lr = 0.0001" in ok.stdout and "# peak learning rate" in ok.stdout
     bad = subprocess.run([*ALLHANDS, "train", "--set", "optim.lr=-3"], capture_output=True, text=True,
-                         env=cli_env)
+                         env=cli_env, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "optim.lr" in bad.stderr

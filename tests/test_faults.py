@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from allhands.checkpoint import committed, load_weights
+from allhands.config import Config
 from allhands.errors import ConfigError, LaunchError
 from allhands.faults import FaultInjector, fired_at, parse_faults
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.job import Job, build_reference_model
 
-from conftest import ALLHANDS, ROOT, TINY, tiny_config
+from conftest import ALLHANDS, ROOT, TINY, shared_once, tiny_config
 
 JOB = ("run.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=5", "fault.backoff_s=0.1")
 
@@ -61,9 +62,10 @@ def assert_nothing_corrupt(ckpt_dir, finished=True):
 @pytest.fixture(scope="module")
 def undisturbed(token_dir, tmp_path_factory):
     """The reference: the same 6-step job without faults. Returns (config, final weights)."""
-    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
-    cfg = train_job(tiny_config(token_dir, run_dir, *JOB), LaunchSpec(nproc=2))
-    return cfg, weights(cfg, run_dir / "checkpoints" / "step-00000006")
+    def build(directory: Path) -> dict:
+        return train_job(tiny_config(token_dir, directory / "run", *JOB), LaunchSpec(nproc=2)).to_dict()
+    cfg = Config.from_dict(shared_once(tmp_path_factory, "faults-undisturbed", build))
+    return cfg, weights(cfg, Path(cfg.run.dir) / "checkpoints" / "step-00000006")
 
 
 def test_sigkill_mid_step_and_during_an_async_write_recover_to_the_undisturbed_parameters(

@@ -111,7 +111,8 @@ def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_e
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        assert p.poll() is None and time.monotonic() < deadline, \
+            (p.kill(), p.communicate(timeout=60))  # killed first: past the deadline it still runs
         time.sleep(0.1)
     below = descendants(p.pid)
     server = [c for c, up in below.items() if up == p.pid and b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
@@ -121,7 +122,7 @@ def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_e
     time.sleep(0.5)
     assert alive(server[0]) and p.poll() is None
     p.kill()
-    p.wait()
+    p.wait(timeout=60)
     deadline = time.monotonic() + 60
     while any(alive(c) for c in below):
         assert time.monotonic() < deadline, f"left running: {[c for c in below if alive(c)]}"

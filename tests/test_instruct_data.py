@@ -239,7 +239,8 @@ def test_a_malformed_row_is_one_line_naming_file_and_line(tok_dir, tmp_path, cli
     good = {"prompt": "a", "response": "b"}
     src = write_jsonl(tmp_path / "rows.jsonl", [good, "", good, row, good])
     p = subprocess.run([*ALLHANDS, "prepare", str(src), "--tokenizer", str(tok_dir),
-                        "--out", str(tmp_path / "out")], capture_output=True, text=True, env=cli_env)
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, env=cli_env,
+                       timeout=120)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr

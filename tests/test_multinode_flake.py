@@ -16,7 +16,6 @@ import subprocess
 import pytest
 
 from allhands.config import load_config
-from allhands.launch.launcher import free_port
 
 from conftest import ALLHANDS, ROOT, TINY
 from test_parity import assert_matches_reference
@@ -31,8 +30,8 @@ def test_a_start_up_flake_is_retried_without_counting_against_max_restarts(
                          "fault.max_restarts=0", "fault.inject=1:1:flake"] for x in ("--set", s))]
     env = dict(cli_env, OMP_NUM_THREADS="1")
     if path == "multi-node agent":
-        cmd += ["--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                "--local-addr", "127.0.0.1"]
+        # Port 0: node 0 (the only one) hosts the rendezvous on a free port.
+        cmd += ["--nnodes", "1", "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1"]
         env["ALLHANDS_SECRET"] = "flake-test-secret-" + "x" * 16
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -17,7 +17,8 @@ from conftest import ALLHANDS, TINY
 from test_parity import max_rel_diff, reference_params, trained_params
 
 REASON = unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}"),
+              pytest.mark.exclusive("netlab")]
 TAG, PREFIX = "ah5", "10.55.0"
 
 # A plain TCP receiver: counts bytes from the first to the last one and prints "bytes seconds".

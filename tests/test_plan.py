@@ -70,12 +70,14 @@ def test_plan_memory_matches_measured_state(token_dir, tmp_path):
 
 def test_cli_plan_json_and_bad_cluster(cli_env):
     ok = subprocess.run([*ALLHANDS, "plan", "--cluster", "h200:2", "--json", "--tokens", "1e9",
-                         "--set", "run.global_batch=64"], env=cli_env, capture_output=True, text=True)
+                         "--set", "run.global_batch=64"], env=cli_env, capture_output=True, text=True,
+                        timeout=120)
     assert ok.returncode == 0, ok.stderr
     rows = json.loads(ok.stdout)["layouts"]
     assert rows[0]["feasible"] and rows[0]["accelerator_hours"] > 0
     assert any(not r["feasible"] and r["reason"] for r in rows)
-    bad = subprocess.run([*ALLHANDS, "plan", "--cluster", "tpu:2"], env=cli_env, capture_output=True, text=True)
+    bad = subprocess.run([*ALLHANDS, "plan", "--cluster", "tpu:2"], env=cli_env, capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--cluster" in bad.stderr
 
 

@@ -26,7 +26,7 @@ def _stub(bin_dir: Path, name: str, body: str) -> None:
 
 
 def test_slurm_script_starts_one_launcher_per_node(tmp_path):
-    assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(SBATCH)], timeout=60).returncode == 0
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls"
@@ -193,7 +193,7 @@ def test_slurm_script_can_run_the_rendezvous_store_on_the_batch_host(tmp_path):
     assert flags.read_text().split() == ["--kill-on-bad-exit=0", "--ntasks-per-node=1", "--nodes=2",
                                          "--relative=1"]
     pid = int((tmp_path / "store.pid").read_text())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # killed by the EXIT trap
         time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -35,6 +35,7 @@ from allhands.mesh import Mesh
 from allhands.replica.quorum import Quorum, ReplicaQuorum
 from allhands.trainer import Job, Trainer
 
+from isolation import exclusive
 from conftest import ALLHANDS, TINY, tiny_config
 from test_parity import max_rel_diff, reference_params
 
@@ -109,6 +110,7 @@ def test_a_step_one_member_failed_is_discarded_by_all():
     assert a._decide(q, 5, True) == b"abort"  # b never reduced step 5: a gives up alone
 
 
+@pytest.mark.serial  # times the survivor's re-form: quorum_timeout_s, not dead_s or the gloo timeout
 def test_a_peer_gone_between_steps_the_survivor_redoes_the_step_alone():
     store = _store()
     a, b = _quorum(store, 0), _quorum(store, 1)
@@ -290,11 +292,11 @@ def test_the_source_killed_inside_a_heal_the_others_heal_again_from_the_next(tok
     _bit_equal_and_reference(done, [run, g1, g2], shares=3)
 
 
-@pytest.mark.parametrize("inject,min_groups,backoff", [("0:4:SIGKILL,1:4:SIGKILL", 2, 1),
-                                                      ("1:2:SIGKILL,0:3:SIGKILL", 1, 6)],
+@pytest.mark.parametrize("inject,min_groups,backoff,wait", [("0:4:SIGKILL,1:4:SIGKILL", 2, 1, 0.5),
+                                                           ("1:2:SIGKILL,0:3:SIGKILL", 1, 6, 30)],
                          ids=["every-group-at-once", "the-last-survivor"])
 def test_with_no_live_group_left_they_restart_from_their_checkpoints(token_dir, tmp_path, capfd, inject,
-                                                                     min_groups, backoff):
+                                                                     min_groups, backoff, wait):
     """The fallback: no live group holds the state, so the restarted ones resume from their own
     last checkpoints and the quorum forms again among them. Every group at once (both train every
     step together, both resume from step 2); or group 0 while it is the only live group
@@ -302,10 +304,14 @@ def test_with_no_live_group_left_they_restart_from_their_checkpoints(token_dir, 
     inside step 3. A 6 s restart backoff keeps group 1 away until group 0 has died, whatever the
     load (with 1 s, group 1 sometimes came back and group 0 healed from it instead). Group 1, back
     alone, may finish the job while group 0 still waits to restart: group 0's slot is then ended
-    in its backoff, and its failure is on record all the same."""
+    in its backoff, and its failure is on record all the same. There the first quorum waits up to
+    30 s for both groups (a group the launcher saw die is not waited for): with 0.5 s, a loaded
+    machine let group 0 start alone, and group 1, healing from it after step 2, never met its fault."""
     done, err, run = _replica_job(token_dir, tmp_path, capfd, 2, "run.steps=6", "fault.max_restarts=1",
                                   f"fault.inject={inject}", f"fault.min_groups={min_groups}",
-                                  "checkpoint.interval=2", "checkpoint.mode=sync", f"fault.backoff_s={backoff}")
+                                  "checkpoint.interval=2", "checkpoint.mode=sync", f"fault.backoff_s={backoff}",
+                                  f"fault.quorum_timeout_s={wait}")
+    assert set(fired_at(run)) == set(inject.split(",")), err[-3000:]
     events = {g: [json.loads(x) for x in (r / "logs" / "restarts.jsonl").read_text().splitlines()]
               for g, r in ((0, run), (1, run / "replicas" / "group-1"))}
     assert [len(e) for e in events.values()] == [1, 1], err[-3000:]
@@ -334,10 +340,11 @@ LAB_REASON = netlab.unavailable()
 def lab():
     if LAB_REASON is not None:
         pytest.skip(f"network lab unavailable: {LAB_REASON}")
-    with netlab.Lab(2, tag="ahr", prefix="10.67.0") as lab:
+    with exclusive("netlab"), netlab.Lab(2, tag="ahr", prefix="10.67.0") as lab:
         yield lab
 
 
+@pytest.mark.exclusive("netlab")
 def test_across_two_hosts_the_killed_group_heals_over_the_link(lab, token_dir, tmp_path, cli_env):
     """One replica group per lab host, the quorum store on host 0's rendezvous endpoint: group 1
     (host 1) is SIGKILLed at step 3; host 0's group never stops, host 1's launcher restarts its

@@ -21,7 +21,8 @@ from conftest import ALLHANDS, ROOT
 from test_security_local import FORGER, INTRUSION, strike, undisturbed_or_stopped
 
 REASON = unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}"),
+              pytest.mark.exclusive("netlab")]
 PIPES = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

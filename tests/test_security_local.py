@@ -41,12 +41,12 @@ def stranger():
     if ROOTLESS:
         pytest.skip("needs root")
     name = f"ahx{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "-M", "-r", "-s", "/usr/sbin/nologin", name], check=True)
+    subprocess.run(["useradd", "-M", "-r", "-s", "/usr/sbin/nologin", name], check=True, timeout=60)
     try:
         pw = pwd.getpwnam(name)
         yield name, pw.pw_uid, pw.pw_gid
     finally:
-        subprocess.run(["userdel", name], check=False)
+        subprocess.run(["userdel", name], check=False, timeout=60)
 
 
 def as_user(user: tuple[str, int, int], args: list[str], **kw) -> subprocess.Popen:
@@ -91,7 +91,7 @@ def test_a_payload_planted_in_the_shared_temp_directory_never_runs(stranger, tmp
     finally:
         watcher.kill()
         shutil.rmtree(shared, ignore_errors=True)
-    seen = watcher.communicate()[0]
+    seen = watcher.communicate(timeout=60)[0]
     assert run.returncode == 1 and "exited with code 3" in err, err[-3000:]
     assert not marker.exists(), "the planted pickle was loaded"
     assert "saw" not in seen, f"the job's temporary files were in the shared directory: {seen}"
@@ -116,7 +116,7 @@ def test_private_tmp_is_private_and_removed_and_stale_ones_are_swept(tmp_path, m
         assert tempfile.gettempdir() == str(private) == os.environ["TMPDIR"]
         assert not stale.exists() and alive.exists()
         assert safefs.sweep_stale(tmp_path) == []  # this job's own directory is held too
-    holder.communicate("")
+    holder.communicate("", timeout=60)
     assert not private.exists() and tempfile.gettempdir() == str(tmp_path)
 
 
@@ -218,11 +218,13 @@ def strike(job: list[subprocess.Popen], out: Path, forger, what: str,
              re.findall(addr + r":(\d+) \((rendezvous store|worker store)", "".join(lines[-1:]))}
     assert len(ports) == 2, "".join(lines)[-3000:]
     attacker = forger(ports["rendezvous store" if what == "state" else "worker store"])
-    assert attacker.stdout.readline().strip() == "connected", attacker.communicate()[1][-3000:]
+    assert attacker.stdout.readline().strip() == "connected", \
+        (attacker.kill(), attacker.communicate(timeout=60)[1][-3000:])  # killed first: it may still run
     deadline = time.monotonic() + 120
     while what != "state" and not all((out / f"ready{r}").exists() for r in (0, 1)):
         for proc in job:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (proc.kill(), proc.communicate(timeout=60)[1][-3000:])  # killed first: past the deadline it still runs
         time.sleep(0.1)
     attacker.stdin.write("strike\n")
     attacker.stdin.flush()

@@ -6,6 +6,7 @@ runs, then all_reduce rank + 1), started the way a user starts one.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -18,7 +19,6 @@ import pytest
 
 from allhands.admission import job_secret, worker_environment
 from allhands.errors import ConfigError, LaunchError
-from allhands.launch.launcher import free_port
 from allhands.launch.rendezvous import plan
 
 from conftest import ALLHANDS, ROOT
@@ -38,7 +38,7 @@ def _finish(procs, timeout=240) -> list[str]:
     finally:
         for p in procs:
             p.kill()
-    return [p.communicate()[1] for p in procs]
+    return [p.communicate(timeout=60)[1] for p in procs]
 
 
 # --------------------------------------------------------------------------- /proc/net
@@ -86,11 +86,22 @@ def _listeners(pids: set[int]) -> list[tuple[str, int, int]]:
     return sorted(found)
 
 
+def announced_port(log: Path, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """The rendezvous store's port in the line a node given ``--rdzv-endpoint HOST:0`` writes
+    to ``log`` (its stderr): the port the other nodes dial."""
+    deadline = time.monotonic() + timeout
+    while not (said := re.search(r"^allhands: listening on \S+:(\d+) \(rendezvous store\)",
+                                 log.read_text(), re.M)):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    return int(said[1])
+
+
 def _wait_for(paths, procs, timeout=180) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
         for proc in procs:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert proc.poll() is None, proc.communicate(timeout=60)[1][-3000:]
         assert time.monotonic() < deadline, "the job did not reach its all_reduce in time"
         time.sleep(0.2)
 
@@ -160,9 +171,8 @@ def test_multi_node_needs_the_same_secret_on_every_node(tmp_path, cli_env):
         cli_env.pop(var, None)
 
     # No secret at all: exit 2 before anything listens, one line saying how to give one.
-    port = free_port()
     r = subprocess.run([*ALLHANDS, "launch", *nodes, "--node-rank", "0", "--rdzv-endpoint",
-                        f"127.0.0.1:{port}", JOB, str(tmp_path)], env=cli_env, cwd=ROOT,
+                        "127.0.0.1:0", JOB, str(tmp_path)], env=cli_env, cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "ALLHANDS_SECRET" in r.stderr and "--secret-file" in r.stderr
@@ -172,7 +182,7 @@ def test_multi_node_needs_the_same_secret_on_every_node(tmp_path, cli_env):
     secret_file.write_text("s" * 40 + "\n")
     secret_file.chmod(0o644)
     r = subprocess.run([*ALLHANDS, "launch", *nodes, "--node-rank", "0", "--rdzv-endpoint",
-                        f"127.0.0.1:{port}", "--secret-file", str(secret_file), JOB,
+                        "127.0.0.1:0", "--secret-file", str(secret_file), JOB,
                         str(tmp_path)], env=cli_env, cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "chmod 600" in r.stderr and r.stderr.count("\n") == 1, r.stderr
@@ -180,17 +190,22 @@ def test_multi_node_needs_the_same_secret_on_every_node(tmp_path, cli_env):
     # Node 0 with the file's secret, node 1 with another one: node 1 refuses the rendezvous
     # state node 0 wrote (its MAC is under the other secret) and stops in one line; node 0 goes
     # on waiting for a node that holds the secret (here: stopped by the test). Nothing computed.
+    # Node 0 is given port 0: it listens on a free one and says which (its log); node 1 dials it.
     secret_file.chmod(0o600)
     other = dict(cli_env, ALLHANDS_SECRET="t" * 40)
-    procs = [_launch([*nodes, "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                      "--secret-file", str(secret_file), JOB, str(tmp_path)], cli_env),
-             _launch([*nodes, "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                      JOB, str(tmp_path)], other)]
+    log0 = tmp_path / "node0.log"
+    with open(log0, "w") as log:
+        procs = [subprocess.Popen([*ALLHANDS, "launch", *nodes, "--node-rank", "0", "--rdzv-endpoint",
+                                   "127.0.0.1:0", "--secret-file", str(secret_file), JOB, str(tmp_path)],
+                                  env=cli_env, cwd=ROOT, text=True, stdout=log, stderr=subprocess.STDOUT)]
     try:
+        procs.append(_launch([*nodes, "--node-rank", "1", "--rdzv-endpoint",
+                              f"127.0.0.1:{announced_port(log0, procs[0])}", JOB, str(tmp_path)], other))
         procs[1].wait(timeout=120)
     finally:
         procs[0].terminate()
     errs = _finish(procs)
+    errs[0] = log0.read_text()
     assert procs[1].returncode == 1, errs[1][-2000:]
     assert re.search(r"allhands: error: intrusion: refused key 'torch\.rendezvous\.[\w-]+' in the "
                      r"rendezvous store at 127\.0\.0\.1:\d+: its value has no valid MAC",
@@ -246,14 +261,16 @@ def test_plan_binds_where_asked(capsys):
     finally:
         single.close()
 
-    port = free_port()
+    # Node 0 given port 0 binds a free one and names it in its endpoint and its line.
     node0 = plan(run_id="t-node0", multi_node=True, node_rank=0,
-                 rdzv_endpoint=f"127.0.0.1:{port}", local_addr="", bind="", port=0)
+                 rdzv_endpoint="127.0.0.1:0", local_addr="", bind="", port=0)
+    port = node0.rdzv_socket.getsockname()[1]
     node1 = plan(run_id="t-node1", multi_node=True, node_rank=1,
-                 rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1", bind="", port=0)
+                 rdzv_endpoint=node0.endpoint, local_addr="127.0.0.1", bind="", port=0)
     try:
-        assert node0.rdzv_socket.getsockname()[:2] == ("127.0.0.1", port)
-        assert node1.rdzv_socket is None and "rendezvous at" in node1.describe()
+        assert port != 0 and node0.endpoint == f"127.0.0.1:{port}"
+        assert f"listening on 127.0.0.1:{port} (rendezvous store)" in node0.describe()
+        assert node1.rdzv_socket is None and f"rendezvous at 127.0.0.1:{port}" in node1.describe()
         assert node1.store_socket.getsockname()[0] == "127.0.0.1"
     finally:
         node0.close()
@@ -273,12 +290,18 @@ def test_worker_without_secret_refuses_to_start(tmp_path, cli_env):
     collective, in one line, unless ALLHANDS_INSECURE=1 opts out."""
     for var in ("ALLHANDS_SECRET", "ALLHANDS_SECRET_FILE", "ALLHANDS_INSECURE"):
         cli_env.pop(var, None)
-    base = dict(cli_env, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    base = dict(cli_env, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True")
 
     def workers(**extra):
+        # The store torchrun's agent hosts for its workers (TORCHELASTIC_USE_AGENT_STORE), a
+        # fresh one per run, on a port it bound itself: no worker binds a port picked for it.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         procs = [subprocess.Popen([ALLHANDS[0], JOB, str(tmp_path)],
-                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(r), **extra),
+                                  env=dict(base, MASTER_PORT=str(store.port), RANK=str(r),
+                                           LOCAL_RANK=str(r), **extra),
                                   cwd=ROOT, text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE) for r in (0, 1)]
         return procs, _finish(procs, timeout=120)
@@ -289,7 +312,6 @@ def test_worker_without_secret_refuses_to_start(tmp_path, cli_env):
         assert f"worker rank {r} has no job secret" in err and "ALLHANDS_SECRET" in err, err
     assert not list(tmp_path.glob("rank*.json"))
 
-    base["MASTER_PORT"] = str(free_port())
     procs, errs = workers(ALLHANDS_INSECURE="1")
     assert [p.returncode for p in procs] == [0, 0], errs
     assert json.loads((tmp_path / "rank1.json").read_text())["sum"] == 3.0
@@ -308,6 +330,27 @@ def test_launch_spec_checks_bind_and_secret_before_anything_runs(monkeypatch):
     assert LaunchSpec(**many, insecure=True).validated().insecure
     monkeypatch.setenv("ALLHANDS_SECRET", "x" * 32)
     assert LaunchSpec(**many).validated().nnodes == 2
+
+
+def test_only_node_0_hosting_the_store_may_be_given_rendezvous_port_0():
+    """Node 0 binds a free port and says it (test_plan_binds_where_asked); the other nodes, and
+    every node of an external store, dial a port they must be told, as every node of a replica-mode
+    job dials its quorum store. The rendezvous run id is the same on every node whichever port
+    node 0 was given."""
+    from allhands.launch.launcher import LaunchSpec, _default_run_id
+    from allhands.launch.replica_nodes import quorum_endpoint
+
+    node0 = LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="10.0.0.1:0", insecure=True)
+    assert node0.validated().rdzv_endpoint == "10.0.0.1:0"
+    for bad in (dict(node_rank=1), dict(rdzv_store="external")):
+        with pytest.raises(ConfigError, match=r"'10\.0\.0\.1:0' is not HOST:PORT with a port in \[1, 65535\]$"):
+            dataclasses.replace(node0, **bad).validated()
+    with pytest.raises(ConfigError, match=r"in \[1, 65535\], or 0 for a free one$"):
+        dataclasses.replace(node0, rdzv_endpoint="10.0.0.1:65536").validated()
+    with pytest.raises(ConfigError, match="a multi-node replica-mode job needs the port"):
+        quorum_endpoint(node0)
+    node1 = dataclasses.replace(node0, node_rank=1, rdzv_endpoint="10.0.0.1:41234")
+    assert _default_run_id(node0) == _default_run_id(node1)
 
 
 # --------------------------------------------------------------------------- two hosts
@@ -337,13 +380,14 @@ def two_hosts():
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
     except subprocess.CalledProcessError as e:
         for ns, _, _ in hosts:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         pytest.skip(f"cannot create network namespaces: {e.stderr.decode().strip()}")
     yield [(ns, addr) for ns, _, addr in hosts]
     for ns, _, _ in hosts:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+@pytest.mark.exclusive("netlab")
 def test_two_hosts_listen_on_the_named_addresses_only(tmp_path, cli_env, two_hosts):
     """Node 0 hosts the rendezvous on 10.66.0.1, node 1 joins from 10.66.0.2 with the same
     secret: every listener of either node is on its own named address, and the job computes."""

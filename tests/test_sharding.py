@@ -156,7 +156,7 @@ def test_export_then_import_round_trips_exactly(token_dir, tmp_path, cli_env):
                                  "run.steps=2"), LaunchSpec(nproc=2))
     out = tmp_path / "model.safetensors"
     r = subprocess.run([*ALLHANDS, "export", str(src), "--out", str(out)], capture_output=True,
-                       text=True, env=cli_env)
+                       text=True, env=cli_env, timeout=120)
     assert r.returncode == 0, r.stderr
     exported = load_file(str(out))
     trained = trained_params(done)
@@ -174,5 +174,5 @@ def test_export_then_import_round_trips_exactly(token_dir, tmp_path, cli_env):
     assert abs(_eval_losses(dst)[0] - _eval_losses(src)[-1]) <= 1e-6
 
     bad = subprocess.run([*ALLHANDS, "export", str(tmp_path / "nothing"), "--out", str(out)],
-                         capture_output=True, text=True, env=cli_env)
+                         capture_output=True, text=True, env=cli_env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "export:" in bad.stderr

@@ -53,7 +53,8 @@ def steps_logged(run_dir: Path) -> list[int]:
 def wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while step not in steps_logged(run_dir):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            (proc.kill(), proc.communicate(timeout=60))  # killed first: past the deadline it still runs
         time.sleep(0.05)
 
 
@@ -123,7 +124,7 @@ def test_a_worker_flag_defers_the_first_signal_and_not_the_second():
     flag = StopFlag()
     with flag.installed():
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert flag.wait(5) and flag.signum == signal.SIGUSR1
+        assert flag.wait(60) and flag.signum == signal.SIGUSR1
         with pytest.raises(KeyboardInterrupt):  # in-process, a second Ctrl-C is Python's own
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
@@ -186,10 +187,12 @@ def test_a_second_sigint_stops_at_once_and_keeps_the_last_checkpoint(token_dir, 
     p.send_signal(signal.SIGINT)
     time.sleep(1)
     assert p.poll() is None
-    t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert time.monotonic() - t0 < 30
+    try:  # a clean stop would wait on rank 1 until the hang timeout (180 s)
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"the second SIGINT did not stop the job: {p.communicate(timeout=60)[1][-3000:]}")
     assert p.returncode == 130, err
     ckpt = run_dir / "checkpoints" / "step-00000002"
     (line,) = stop_lines(err)
@@ -221,7 +224,7 @@ def test_sigusr1_checkpoints_and_the_slurm_script_requeues_and_continues(token_d
                                           "fault.inject=0:3:slow=30")))
     env = dict(cli_env, PATH=f"{bin_dir}:{cli_env['PATH']}", SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="node1", SLURM_NNODES="1", NPROC="2", CONFIG=str(config),
-               RUN_DIR=str(run_dir), RDZV_PORT=str(_free_port()), ALLHANDS_SECRET="9f" * 16,
+               RUN_DIR=str(run_dir), RDZV_PORT="0", ALLHANDS_SECRET="9f" * 16,  # one node: it picks a port
                ALLHANDS=str(Path(sys.executable).parent / "allhands"))
     first = subprocess.Popen(["bash", str(SBATCH)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -240,11 +243,6 @@ def test_sigusr1_checkpoints_and_the_slurm_script_requeues_and_continues(token_d
     assert second.returncode == 0, second.stderr
     assert f"resumed from step {step}" in second.stderr
     assert steps_logged(run_dir)[-1] == 8 and calls.read_text() == "requeue 4242\n"
-
-
-def _free_port() -> int:
-    from allhands.launch.launcher import free_port
-    return free_port()
 
 
 def test_the_python_api_stops_on_ctrl_c_with_one_line_and_a_checkpoint(token_dir, tmp_path, capfd):

@@ -127,24 +127,23 @@ def test_watchdog_kills_a_stalled_process_and_records_it(tmp_path):
     try:
         for rank, (p, step) in enumerate(zip(procs, (3, 4))):
             (tmp_path / f"rank-{rank}").write_text(f"{p.pid} {step} {time.time()!r} host 0 1\n")
-        t0 = time.monotonic()
         with Watchdog(tmp_path, 0.5) as dog:
-            assert procs[0].wait(timeout=10) == -9
-            took = time.monotonic() - t0
-        assert procs[1].poll() is None and 0.5 <= took < 5
-        assert [h.rank for h in dog.hangs] == [0]
+            assert procs[0].wait(timeout=60) == -9
+        assert procs[1].poll() is None
+        assert [h.rank for h in dog.hangs] == [0] and dog.hangs[0].stale_s >= 0.5  # not before the timeout
     finally:
         for p in procs:
             p.kill()
-            p.wait()
+            p.wait(timeout=60)
 
 
 def test_heartbeat_round_trips(tmp_path):
     hb = Heartbeat(str(tmp_path), 3)
+    t0 = time.time()
     hb.beat(7)
     hb.beat(8)
     (pid, step, t, host, done, first), = read_heartbeats(tmp_path).values()
-    assert (step, first) == (8, 7) and not done and abs(t - time.time()) < 5
+    assert (step, first) == (8, 7) and not done and t0 <= t <= time.time()
     hb.beat(9, done=True)
     assert read_heartbeats(tmp_path)[3][4]
     Heartbeat("", 0).beat(1)  # outside a supervised job: nothing to do
@@ -361,7 +360,7 @@ def test_the_agent_reports_every_failed_local_worker_not_only_the_lowest_rank(tm
     finally:
         for p in procs.values():
             p.kill()
-            p.wait()
+            p.wait(timeout=60)
 
 
 def test_rendezvous_timeouts_come_from_the_config_and_are_checked(tmp_path, token_dir):

@@ -7,6 +7,7 @@ installed is one line before any worker starts."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -20,10 +21,8 @@ from allhands.errors import ConfigError
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.trackers import _CLASSES, selected, tracker_environment
 
-from conftest import ALLHANDS, tiny_config
-
-# `make test` runs on two pytest-xdist workers (--dist loadgroup): one of them trains `tracked`
-pytestmark = pytest.mark.xdist_group("trackers")
+from conftest import ALLHANDS, shared_once, tiny_config
+from isolation import shared_root
 
 TRACKED = ["log.tensorboard=true", "log.trackers=tensorboard,mlflow,wandb", "run.eval_interval=2",
            "checkpoint.interval=2", "checkpoint.keep_last=3"]
@@ -44,13 +43,19 @@ def isolate(mp: pytest.MonkeyPatch, home: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tracked(token_dir, tmp_path_factory):
-    """One 2-worker run logging to MLflow and W&B with neither configured: 4 steps, eval every 2.
-    The module's tests run in the environment it leaves (W&B offline, MLflow's file store)."""
-    base = tmp_path_factory.mktemp("tracked")
+    """One 2-worker run logging to MLflow and W&B with neither configured: 4 steps, eval every 2,
+    trained once per test run (whichever pytest worker asks first). The module's tests run in the
+    environment it leaves (W&B offline, MLflow's file store)."""
+    base = shared_root(tmp_path_factory) / "tracked-home"
     with pytest.MonkeyPatch.context() as mp:
         isolate(mp, base)
-        cfg = train_job(tiny_config(token_dir, base / "run", *TRACKED), LaunchSpec(nproc=2))
-        yield Path(cfg.run.dir)
+        cfg = tiny_config(token_dir, base, *TRACKED)
+        tracker_environment(selected(cfg.log.trackers, cfg.log.tensorboard), os.environ)
+
+        def build(directory: Path) -> str:
+            return train_job(tiny_config(token_dir, directory / "run", *TRACKED),
+                             LaunchSpec(nproc=2)).run.dir
+        yield Path(shared_once(tmp_path_factory, "tracked", build))
 
 
 def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:

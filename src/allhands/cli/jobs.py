@@ -26,7 +26,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="this node's rank; node 0 hosts the rendezvous (unless --rdzv-store external)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous on node 0 (multi-node), or of the "
-                        "`allhands rendezvous-store` process with --rdzv-store external")
+                        "`allhands rendezvous-store` process with --rdzv-store external; node 0 "
+                        "may be given port 0 (a free one, said in its 'listening on' line)")
     g.add_argument("--rdzv-store", default="node0", choices=("node0", "external"),
                    help="who serves the rendezvous store: node 0 (default; losing node 0 ends "
                         "the job) or an `allhands rendezvous-store` process (any node may be lost)")
@@ -108,10 +109,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     from allhands.drill import run_drill
+    from allhands.launch.rundir import with_data
 
     if args.faults < 1:
         raise ConfigError(f"--faults: {args.faults} is not allowed; must be >= 1")
-    cfg = load_config(args.config, args.set)
+    cfg = with_data(load_config(args.config, args.set))  # its comparisons read the data too
     validate(cfg)
     if args.chaos is not None:
         from allhands.chaos.run import run_chaos
@@ -174,5 +176,6 @@ def add_parsers(sub) -> None:
                              "node may be lost (train --rdzv-store external on every node)")
     rs.add_argument("--bind", required=True, metavar="ADDR",
                     help="address to listen on, one the training nodes reach")
-    rs.add_argument("--port", type=int, default=29400, help="port (default 29400)")
+    rs.add_argument("--port", type=int, default=29400,
+                    help="port (default 29400; 0: a free one, said in its 'listening on' line)")
     rs.set_defaults(fn=cmd_rendezvous_store)

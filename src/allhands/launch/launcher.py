@@ -60,6 +60,13 @@ def oversubscribed(nproc: int, cores: int) -> str | None:
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
     """Environment the workers inherit; set here so that users never have to."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # torch.compile's caches (inductor's kernels, FX graphs, AOTAutograd) default to the
+    # temporary directory, which is this job's private one and goes when it ends: a restart or
+    # the next job would compile from zero. This user's cache directory outlives the job.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        inductor = envs.cache_dir() / "inductor"
+        inductor.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds code that is loaded
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
     # torch's agent turns these signals into SignalException and a SIGTERM of its workers; SIGINT,
     # SIGTERM and SIGUSR1 are the launcher's own, a clean stop at a step boundary (stop.py).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
@@ -210,9 +217,11 @@ def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
 def _default_run_id(spec: LaunchSpec, run_dir: str = "") -> str:
     """Every node of one job must present the same rendezvous run id; a single node needs a
     fresh one so that a stale store entry can never be mistaken for this job's. An external
-    store may serve several jobs at one endpoint: their run directories keep them apart."""
+    store may serve several jobs at one endpoint: their run directories keep them apart. The
+    endpoint's host, not its port: a store listens on one port, so its port tells no two jobs
+    apart, and node 0 may be given port 0 (a free one) while the others dial the port it bound."""
     if spec.multi_node:
-        key = spec.rdzv_endpoint + ("\0" + run_dir if run_dir else "")
+        key = spec.rdzv_endpoint.rpartition(":")[0] + ("\0" + run_dir if run_dir else "")
         return "allhands-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return uuid.uuid4().hex[:12]
 

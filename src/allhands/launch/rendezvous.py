@@ -93,6 +93,8 @@ def plan(*, run_id: str, multi_node: bool, node_rank: int, rdzv_endpoint: str, l
         if hosts:
             rdzv_addr = bind or resolve(ep_host)
             rdzv = bind_socket(rdzv_addr, int(ep_port), "rendezvous store")
+            if int(ep_port) == 0:  # torch's rendezvous and every message name the port bound
+                endpoint = _hostport(ep_host, rdzv.getsockname()[1])
             if ipaddress.ip_address(rdzv_addr).is_loopback:
                 notes.append(f"{ep_host!r} is a loopback address: only this host can join")
         store_addr = bind or local_addr or (resolve(ep_host) if hosts

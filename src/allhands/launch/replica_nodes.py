@@ -61,6 +61,9 @@ def run_secret(store: dist.Store, secret: str, node_rank: int, nnodes: int, wait
 def quorum_endpoint(spec: Any) -> tuple[str, int]:
     """Where node 0 hosts the quorum store: ``--rdzv-endpoint``'s address and port."""
     host, _, port = spec.rdzv_endpoint.rpartition(":")
+    if int(port) == 0:  # the other nodes would have to be told the port node 0's store got
+        raise ConfigError(f"--rdzv-endpoint: {spec.rdzv_endpoint!r}: a multi-node replica-mode job "
+                          f"needs the port the quorum store listens on, in [1, 65535], on every node")
     return resolve(host.strip("[]")), int(port)
 
 

@@ -92,10 +92,13 @@ class LaunchSpec:
                               f"1 <= MIN <= MAX")
         if s.nnodes > 1 and not s.rdzv_endpoint:
             raise ConfigError("--rdzv-endpoint: required with --nnodes > 1, e.g. node0:29400")
-        if s.rdzv_endpoint and not (s.rdzv_endpoint.rpartition(":")[2].isdigit()
-                                    and 1 <= int(s.rdzv_endpoint.rpartition(":")[2]) <= 65535):
+        # Port 0: node 0 hosts the store on a free port and says which in its "listening on"
+        # line; only the node that binds it may be given 0 (the others dial the port it said).
+        hosts = s.node_rank == 0 and s.rdzv_store == "node0"
+        ep_port = s.rdzv_endpoint.rpartition(":")[2]
+        if s.rdzv_endpoint and not (ep_port.isdigit() and (0 if hosts else 1) <= int(ep_port) <= 65535):
             raise ConfigError(f"--rdzv-endpoint: {s.rdzv_endpoint!r} is not HOST:PORT with a port "
-                              f"in [1, 65535]")
+                              f"in [1, 65535]" + (", or 0 for a free one" if hosts else ""))
         if not 0 <= s.port <= 65535:
             raise ConfigError(f"--port: {s.port} is not allowed; must be in [1, 65535], or 0 for a "
                               f"free one")
