@@ -5,6 +5,7 @@ written at one ep resumes at another."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -44,26 +45,40 @@ def test_expert_parallel_matches_single_process(token_dir, tmp_path, label, npro
     assert any("experts" in k for k in got)
 
 
+def _written_at_ep(ckpt) -> int:
+    """The parallel.ep of the job that wrote checkpoint ``ckpt`` (its allhands.json)."""
+    return json.loads((ckpt / "allhands.json").read_text())["config"]["parallel"]["ep"]
+
+
 def test_resume_across_ep_sizes(token_dir, tmp_path):
-    common = [*MOE, "run.steps=4", "checkpoint.interval=2"]
+    """ep=2's step-2 checkpoint resumed at ep=1 (DDP and FSDP ZeRO-2), and a checkpoint that the
+    ep=1 run wrote resumed at ep=2: each reaches the uninterrupted ep=2 run's step-4 parameters."""
+    common = [*MOE, "run.steps=4", "checkpoint.interval=2", "checkpoint.keep_last=5"]
     full = train_job(tiny_config(token_dir, tmp_path / "ep2", *common, "parallel.ep=2"),
                      LaunchSpec(nproc=2))
     want = load_weights(build_reference_model(full, 257),
                         tmp_path / "ep2" / "checkpoints" / "step-00000004").state_dict()
-    for name, layout in (("to-ep1", []), ("to-ep1-fsdp", ["parallel.dp_shard=2", "parallel.zero=2"])):
+    # ep=2 -> ep=1; the DDP leg saves every step, so that its step 3 is written at ep=1
+    for name, layout in (("to-ep1", ["checkpoint.interval=1"]),
+                         ("to-ep1-fsdp", ["parallel.dp_shard=2", "parallel.zero=2"])):
         run = tmp_path / name
         shutil.copytree(tmp_path / "ep2", run)
         shutil.rmtree(run / "checkpoints" / "step-00000004")
+        assert _written_at_ep(run / "checkpoints" / "step-00000002") == 2
         train_job(tiny_config(token_dir, run, *common, *layout), LaunchSpec(nproc=2), resume=str(run))
         got = load_weights(build_reference_model(full, 257),
                            run / "checkpoints" / "step-00000004").state_dict()
         assert max_rel_diff(got, want) <= 1e-5, name
-    # and back: the ep=1 run's step-2 checkpoint resumed at ep=2
+    # and back: ep=1's step-3 checkpoint (written by the to-ep1 run) resumed at ep=2
     run = tmp_path / "back-to-ep2"
     shutil.copytree(tmp_path / "to-ep1", run)
     shutil.rmtree(run / "checkpoints" / "step-00000004")
+    assert _written_at_ep(run / "checkpoints" / "step-00000003") == 1
     train_job(tiny_config(token_dir, run, *common, "parallel.ep=2"), LaunchSpec(nproc=2),
               resume=str(run))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-3:] == [3, 4, 4]  # to-ep1's 3, 4; then 4 at ep=2
+    assert _written_at_ep(run / "checkpoints" / "step-00000004") == 2
     got = load_weights(build_reference_model(full, 257),
                        run / "checkpoints" / "step-00000004").state_dict()
     assert max_rel_diff(got, want) <= 1e-5
@@ -82,8 +97,6 @@ def test_ep_layout_errors_name_the_field(token_dir, tmp_path):
 
 
 def test_metrics_record_expert_load_balancing_loss_and_all_to_all(token_dir, tmp_path):
-    import json
-
     cfg = tiny_config(token_dir, tmp_path / "run", *MOE, "parallel.ep=2", "moe.balance=aux",
                       "run.steps=2", "run.global_batch=4")
     done = train_job(cfg, LaunchSpec(nproc=2))

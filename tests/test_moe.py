@@ -1,7 +1,10 @@
-"""The MoE feed-forward (models/moe.py): grouped GEMMs against one expert at a time, dropless
-routing under any imbalance, the auxiliary loss reaching the gradient, and the bias update."""
+"""The MoE feed-forward (models/moe.py): grouped GEMMs against one expert at a time, the router's
+scores, choice and weights and the balancing bias's update against hand computations, dropless
+routing under any imbalance, and the auxiliary loss reaching the gradient."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -36,12 +39,22 @@ def test_grouped_gemm_equals_one_expert_at_a_time(counts):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_grouped_mm_entry_point_matches_padded_on_cpu():
-    w = torch.randn(3, 8, 16)
-    c = torch.tensor([2, 0, 4])
-    x = torch.randn(6, 16)
-    torch.testing.assert_close(grouped_mm(x, w, c), padded_mm(x, w, c))
-    torch.testing.assert_close(padded_mm(x, w, c)[:2], x[:2] @ w[0].T)
+@pytest.mark.parametrize("counts", [[2, 0, 4], [0, 5, 0], [1, 0, 0, 3, 2], [0, 0, 0]])
+def test_grouped_mm_and_padded_mm_equal_a_loop_over_groups(counts):
+    """Both entry points against rows ``x[rows of g] @ w[g].T`` one group at a time, with groups
+    of no rows among uneven ones (on CPU grouped_mm takes padded_mm: both are checked anyway)."""
+    g = len(counts)
+    w = torch.randn(g, 8, 16)
+    c = torch.tensor(counts)
+    x = torch.randn(sum(counts), 16)
+    want, start = torch.zeros(sum(counts), 8), 0
+    for e, n in enumerate(counts):
+        want[start:start + n] = x[start:start + n] @ w[e].T
+        start += n
+    for mm in (grouped_mm, padded_mm):
+        got = mm(x, w, c)
+        assert got.shape == (sum(counts), 8)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _moe(**kw):
@@ -53,8 +66,65 @@ def _moe(**kw):
     return m
 
 
+@pytest.mark.parametrize("score,norm_topk,balance", [("sigmoid", True, "bias"), ("sigmoid", False, "none"),
+                                                    ("softmax", True, "none"), ("softmax", False, "bias")])
+def test_router_scores_choice_and_weights_by_hand(score, norm_topk, balance):
+    """From the gate's weight W alone: scores sigmoid(x W^T) (DeepSeek-V3) or softmax(x W^T); the
+    k experts of a token are the k largest of score + balancing bias (bias only for choosing),
+    largest first; their weights are the raw scores, divided by their sum under norm_topk."""
+    m = _moe(score=score, norm_topk=norm_topk, balance=balance)
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.25])
+    with torch.no_grad():
+        m.router.expert_bias.copy_(bias)
+    x = torch.randn(40, 16)
+    with torch.no_grad():
+        weights, idx, scores = m.router(x)
+    W = m.router.gate.weight.detach().double()
+    want_scores = []
+    rebiased = 0
+    for t in range(x.shape[0]):
+        logits = [float(sum(x[t, i].double() * W[e, i] for i in range(16))) for e in range(4)]
+        if score == "sigmoid":
+            s = [1 / (1 + math.exp(-z)) for z in logits]
+        else:
+            s = [math.exp(z) / sum(math.exp(v) for v in logits) for z in logits]
+        want_scores.append(s)
+        choose = [s[e] + (float(bias[e]) if balance == "bias" else 0.0) for e in range(4)]
+        chosen = sorted(range(4), key=lambda e: -choose[e])[:2]
+        assert idx[t].tolist() == chosen, t
+        rebiased += chosen != sorted(range(4), key=lambda e: -s[e])[:2]
+        w = [s[e] for e in chosen]
+        if norm_topk:
+            w = [v / sum(w) for v in w]
+        assert weights[t].tolist() == pytest.approx(w, rel=1e-5, abs=1e-6), t
+    torch.testing.assert_close(scores.double(), torch.tensor(want_scores, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    assert (rebiased > 0) == (balance == "bias")  # the bias really steered some choices
+
+
+def test_bias_update_is_rate_times_sign_of_mean_load_minus_load():
+    """DeepSeek-V3's auxiliary-loss-free step from known loads, per layer: an expert above its
+    layer's mean load loses bias_rate, one below gains it, one at the mean keeps its bias; the
+    loads restart from zero; a layer balanced otherwise is left alone."""
+    layers = torch.nn.ModuleList([_moe(balance="bias", bias_rate=0.05),
+                                  _moe(balance="bias", bias_rate=0.25), _moe(balance="aux")])
+    start = [[0.1, -0.2, 0.0, 0.3], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    loads = [[5, 1, 3, 3], [0, 0, 12, 0], [9, 0, 0, 3]]  # means 3, 3 and 3
+    with torch.no_grad():
+        for m, b, n in zip(layers, start, loads):
+            m.router.expert_bias.copy_(torch.tensor(b))
+            m.load.copy_(torch.tensor(n))
+    update_expert_bias(layers)
+    assert layers[0].router.expert_bias.tolist() == pytest.approx([0.05, -0.15, 0.0, 0.3])
+    assert layers[1].router.expert_bias.tolist() == pytest.approx([0.25, 0.25, 0.75, 0.25])
+    assert layers[2].router.expert_bias.tolist() == [0.0] * 4
+    assert layers[0].load.tolist() == layers[1].load.tolist() == [0] * 4
+    assert layers[2].load.tolist() == [9, 0, 0, 3]
+
+
 def _dense_reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Every token through every one of its k experts, token by token."""
+    """Every token through every one of its k experts, token by token; the routing is the
+    router's own (test_router_scores_choice_and_weights_by_hand checks it by hand)."""
     flat = x.reshape(-1, x.shape[-1])
     w, idx, _ = m.router(flat)
     g, u, d = m.experts.local_weights()
