@@ -157,8 +157,7 @@ def _sharded_rank(rank: int, src: str, store_path: str, out: str) -> None:
     local, index = local_block(col)
     local.copy_(HFReader(src).read(name, index))
     cols, o_proj = (index[1].start, index[1].stop), col.full_tensor()
-    if rank == 0:
-        torch.save({"full": full, "reads": reads, "o_proj": o_proj, "cols": cols}, out)
+    torch.save({"full": full, "reads": reads, "o_proj": o_proj, "cols": cols}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
@@ -170,17 +169,26 @@ def test_each_rank_reads_only_its_own_slices(tmp_path):
     hf, src = _saved(tmp_path, "qwen2")
     mp.spawn(_sharded_rank, args=(str(src), str(tmp_path / "store"), str(tmp_path / "out.pt")),
              nprocs=2, join=True)
-    got = torch.load(tmp_path / "out.pt")
     want = from_hf(src).state_dict()
-    for k, v in want.items():
-        assert torch.equal(got["full"][k], v), k
-    shapes = {n: HFReader(src).shape(n) for n in HFReader(src).names()}
-    assert got["reads"] and all(index is not None for _, index in got["reads"])
-    for name, index in got["reads"]:  # rank 0 asked for the first half of every dimension 0
-        assert index[0] == (0, -(-shapes[name][0] // 2)), (name, index)
-    assert got["cols"] == (0, 16)
-    assert torch.equal(got["o_proj"], load_file(str(src / "model.safetensors"))[
-        "model.layers.0.self_attn.o_proj.weight"])
+    reader = HFReader(src)
+    shapes = {n: reader.shape(n) for n in reader.names()}
+    o_proj = load_file(str(src / "model.safetensors"))["model.layers.0.self_attn.o_proj.weight"]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"out.pt.{rank}")
+        for k, v in want.items():
+            assert torch.equal(got["full"][k], v), (rank, k)
+        # every tensor of the file read (the tied embedding once per parameter that holds it),
+        # as this rank's rows of dimension 0 only (FSDP2's Shard(0): rank 0 the first
+        # ceil(n / 2) rows, rank 1 the rest) and whole in the other dimensions
+        assert {name for name, _ in got["reads"]} == set(shapes), rank
+        for name, index in got["reads"]:
+            n = shapes[name][0]
+            rows = (0, -(-n // 2)) if rank == 0 else (-(-n // 2), n)
+            assert index is not None and index[0] == rows, (rank, name, index)
+            assert all(ix == (0, m) for ix, m in zip(index[1:], shapes[name][1:])), (rank, name, index)
+        # and a column-sharded tensor (Shard(1)) its columns only
+        assert got["cols"] == ((0, 16) if rank == 0 else (16, 32)), rank
+        assert torch.equal(got["o_proj"], o_proj), rank
 
 
 def test_train_from_a_transformers_llama_then_export_it(tmp_path, token_dir):
