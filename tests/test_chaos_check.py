@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from allhands.chaos import check as chk
 from allhands.chaos.run import KINDS, inject_spec, plan_chaos
@@ -98,44 +99,59 @@ def test_the_chaos_plan_is_seeded_and_covers_every_kind_of_its_mode():
             assert (f.rank >= workers) == any(p.kind.startswith("server-") and p.step == f.step for p in a)
 
 
-def _commit(ckpt_dir: Path, step: int, payload: str = "x") -> Path:
-    d = ckpt_dir / f"step-{step:08d}"
-    d.mkdir(parents=True)
-    (d / ".metadata").write_text(payload)
-    (d / "__0_0.distcp").write_text(payload)
-    return d
+def _commit(ckpt_dir: Path, step: int, value: float) -> Path:
+    """A real committed checkpoint of a tiny state (one tensor filled with ``value``), written by
+    allhands' Checkpointer as a job writes its own (DCP files, allhands.json, manifest)."""
+    ck = Checkpointer(ckpt_dir, rank=0, keep_last=3, mode="sync")
+    try:
+        ck.save(step, {"w": torch.full((4,), float(value))})
+    finally:
+        ck.close()
+    return ckpt_dir / f"step-{step:08d}"
+
+
+def _read(path: Path) -> float:
+    """The value a committed checkpoint holds, loaded as a job loads one (manifest verified)."""
+    state = {"w": torch.zeros(4)}
+    ck = Checkpointer(path.parent, rank=0, mode="sync")
+    try:
+        ck.load(path, state)
+    finally:
+        ck.close()
+    assert bool((state["w"] == state["w"][0]).all())
+    return float(state["w"][0])
 
 
 def test_a_late_group_takes_the_newest_final_checkpoint_and_never_a_stale_one(tmp_path):
     run = tmp_path / "run"
-    _commit(run / "checkpoints", 6, "final")  # group 0 finished
-    _commit(run / "replicas" / "group-1" / "checkpoints", 2)
+    _commit(run / "checkpoints", 6, 6.0)  # group 0 finished
+    _commit(run / "replicas" / "group-1" / "checkpoints", 2, 2.0)
     assert catch_up(run, 1, 2) == (0, 6)
     got = run / "replicas" / "group-1" / "checkpoints" / "step-00000006"
-    assert (got / "__0_0.distcp").read_text() == "final"
+    assert _read(got) == 6.0  # a whole checkpoint: its manifest verifies, DCP loads it
     assert not list(got.parent.glob(".tmp-*"))
     assert catch_up(run, 1, 2) is None  # as new as any: nothing is overwritten
-    assert (run / "checkpoints" / "step-00000006" / ".metadata").read_text() == "final"
+    assert _read(run / "checkpoints" / "step-00000006") == 6.0
+    assert _read(run / "replicas" / "group-1" / "checkpoints" / "step-00000002") == 2.0
 
 
 def test_a_restarting_group_resumes_from_the_newest_step_any_group_committed(tmp_path):
     mine, theirs = tmp_path / "g1", tmp_path / "g0"
-    _commit(mine, 2)
-    _commit(theirs, 4)
+    _commit(mine, 2, 2.0)
+    _commit(theirs, 4, 4.0)
     ck = Checkpointer(mine, rank=0, keep_last=3, mode="sync")
-    tried = []
+    states: list[dict] = []
 
-    def fake_load(path, state, verify=False):
-        tried.append(path)
+    def state_for(step, path):
+        states.append({"w": torch.zeros(4)})
+        return states[-1]
 
-    ck.load = fake_load  # which checkpoint is loaded is the question, not DCP
-    import allhands.checkpoint.checkpointer as mod
-    verify, mod.verify_manifest = mod.verify_manifest, lambda p: None
     try:
-        assert ck.load_latest(lambda s, p: {}, print, also=[theirs]) == (4, theirs / "step-00000004")
-        assert ck.load_latest(lambda s, p: {}, print) == (2, mine / "step-00000002")
+        assert ck.load_latest(state_for, print, also=[theirs]) == (4, theirs / "step-00000004")
+        assert float(states[-1]["w"][0]) == 4.0  # what the other group wrote, loaded
+        assert ck.load_latest(state_for, print) == (2, mine / "step-00000002")
+        assert float(states[-1]["w"][0]) == 2.0
     finally:
-        mod.verify_manifest = verify
         ck.close()
 
 

@@ -177,10 +177,30 @@ def test_a_template_that_rewrites_earlier_turns_needs_generation_marks(tmp_path)
 
 
 def test_a_long_example_is_cut_to_seq_len(instruct_dir):
-    train, _, _ = load_token_splits(instruct_dir, seq_len=4)
-    x, y = train[1]
-    assert x.shape == y.shape == (4,)
-    assert torch.equal(x[1:], torch.where(y[:-1] == IGNORE, x[1:], y[:-1]))  # y is x shifted
+    """At seq_len=16 several examples are longer than the window and their responses start
+    inside it: each cut row is the first 16 positions of the uncut row (same ids, same loss
+    mask, the last target the id after the window), and its counted targets are x shifted."""
+    seq_len = 16
+    cut, _, _ = load_token_splits(instruct_dir, seq_len=seq_len)
+    whole, _, _ = load_token_splits(instruct_dir, seq_len=256)
+    pad = json.loads((instruct_dir / "meta.json").read_text())["pad"]
+    counted = 0
+    long_ones = 0
+    for i in range(len(cut)):
+        x, y = cut[i]
+        wx, wy = whole[i]
+        assert x.shape == y.shape == (seq_len,)
+        assert torch.equal(x, wx[:seq_len]) and torch.equal(y, wy[:seq_len]), f"example {i}"
+        if int((wx != pad).sum()) <= seq_len:
+            continue
+        long_ones += 1
+        keep = y != IGNORE
+        counted += int(keep.sum())
+        assert cut.valid_targets([i]) == int(keep.sum())
+        assert torch.equal(y[:-1][keep[:-1]], x[1:][keep[:-1]])  # y is x shifted
+        if keep[-1]:
+            assert int(y[-1]) == int(wx[seq_len])  # the id just past the window
+    assert long_ones >= 4 and counted >= 10  # the windows hold responses: the checks compared ids
 
 
 def test_default_template_and_bos_from_the_config(tmp_path):

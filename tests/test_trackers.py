@@ -190,6 +190,10 @@ def test_report_plots_become_artifacts(tracked, tmp_path, cli_env):
                        timeout=120)
     assert p.returncode == 0, p.stderr
     pngs = sorted(p.name for p in (run / "report").glob("*.png"))
+    # the report plotted this run (a loss curve, throughput, step times), so the comparisons
+    # below are between lists of real plots, not empty ones
+    assert {"loss.png", "throughput.png", "step_time.png"} <= set(pngs), pngs
+    assert sorted(Path(line).name for line in p.stdout.splitlines()) == pngs, p.stdout
     client, run_id = mlflow_run(run)
     assert sorted(Path(a.path).name for a in client.list_artifacts(run_id, "report")) == pngs
     assert client.get_run(run_id).info.status == "FINISHED"
