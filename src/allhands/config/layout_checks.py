@@ -1,4 +1,4 @@
-"""Checks of the parallel section: the mesh's four dims multiply to the world size, ZeRO has
+"""Checks of the parallel section: the mesh's dims multiply to the world size, ZeRO has
 something to shard, and tensor/pipeline layouts fit the model and the batch."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_parallel(p: ParallelConfig) -> None:
 
 
 def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
-    """The four mesh sizes for ``world_size`` workers, the one -1 resolved; raises ConfigError
+    """The mesh sizes for ``world_size`` workers, the one -1 resolved; raises ConfigError
     with the arithmetic when they do not multiply to the world size."""
     check_dims(p)
     given = {d: getattr(p, d) for d in MESH_DIMS}
@@ -57,14 +57,52 @@ def mesh_sizes(p: ParallelConfig, world_size: int) -> dict[str, int]:
     if rest:
         if world_size % fixed:
             raise ConfigError(f"parallel: {shown}: the fixed dims multiply to {fixed}, which does not "
-                              f"divide the job's {world_size} workers; change the sizes or the worker count")
+                              f"divide the job's {world_size} workers; " +
+                              (_cp_fix(p, world_size) or "change the sizes or the worker count"))
         given[rest[0]] = world_size // fixed
     elif fixed != world_size:
-        raise ConfigError(f"parallel: {shown} = {fixed}, but the job has {world_size} workers; "
-                          f"make the product {world_size} or set one dim to -1")
+        raise ConfigError(f"parallel: {shown} = {fixed}, but the job has {world_size} workers; " +
+                          (_cp_fix(p, world_size) or _ep_fix(p, world_size)
+                           or f"make the product {world_size} or set one dim to -1"))
     if given["cp"] == 1:  # context parallelism is named only where it is used
         del given["cp"]
     return given
+
+
+def _ep_fix(p: ParallelConfig, world_size: int) -> str:
+    """The fix of a wrong product when ``parallel.ep`` is set: ep is no factor of it, because
+    expert parallelism borrows the data-parallel ranks (torchtitan's layout; mesh.py)."""
+    if p.ep <= 1:
+        return ""
+    dim, other = (("dp_shard", p.dp_replicate) if p.zero >= 2  # ZeRO 2/3 carve ep out of dp_shard
+                  else ("dp_replicate", p.dp_shard))
+    model = p.cp * p.tp * p.pp  # ranks per data-parallel rank
+    dp = world_size // model
+    size = dp // other
+    if -1 in (p.dp_replicate, p.dp_shard, p.tp, p.pp) or world_size % model or dp % other \
+            or (size if p.zero >= 2 else dp) % p.ep:
+        fix = (f"make parallel.{dim} a multiple of {p.ep} (on a multiple of "
+               f"{p.ep * model * (other if p.zero >= 2 else 1)} workers) or lower parallel.ep")
+    else:
+        fix = f"set parallel.{dim}={size}"
+    return (f"parallel.ep={p.ep} adds no ranks (expert parallelism borrows the data-parallel ranks, "
+            f"dp_replicate x dp_shard, which ep must divide): {fix}")
+
+
+def _cp_fix(p: ParallelConfig, world_size: int) -> str:
+    """The fix of a wrong product when ``parallel.cp`` is set: unlike ep, cp is a factor of it."""
+    if p.cp <= 1:
+        return ""
+    model = p.cp * p.tp * p.pp  # ranks per data-parallel rank
+    dp = world_size // model
+    if -1 in (p.dp_replicate, p.dp_shard, p.tp, p.pp) or world_size % model or dp % p.dp_shard:
+        fix = (f"run a multiple of {model} workers"
+               f"{' with parallel.dp_replicate=-1' if -1 not in (p.dp_replicate, p.dp_shard, p.tp, p.pp) else ''}"
+               f" or lower parallel.cp")
+    else:
+        fix = f"set parallel.dp_replicate={dp // p.dp_shard}"
+    return (f"parallel.cp={p.cp} takes ranks of its own (context parallelism splits each data-parallel "
+            f"rank's sequences over cp more ranks, borrowing none): {fix}")
 
 
 def check_sharding(p: ParallelConfig, sizes: dict[str, int]) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from allhands.config.check import check
 from allhands.config.fields import _f
+from allhands.errors import ConfigError
 
 
 @dataclass
@@ -51,7 +52,10 @@ def check_ep(p, e: MoEConfig, sizes: dict[str, int] | None = None) -> None:
     check(p.ep >= 1, "parallel.ep", "must be >= 1", p.ep)
     if p.ep == 1:
         return
-    check(e.n_experts > 0 and e.n_experts % p.ep == 0, "parallel.ep",
+    if not e.n_experts:
+        raise ConfigError(f"parallel.ep: {p.ep} needs a mixture-of-experts model (moe.n_experts > 0), "
+                          f"but this one is dense; set moe.n_experts (a multiple of {p.ep}) or parallel.ep=1")
+    check(e.n_experts % p.ep == 0, "parallel.ep",
           f"must divide moe.n_experts={e.n_experts} (each rank holds n_experts / ep experts)", p.ep)
     check(getattr(p, "cp", 1) == 1, "parallel.ep", "is not supported with parallel.cp > 1 yet; set one of them to 1", p.ep)
     check(p.zero != 1, "parallel.ep", "is not supported with parallel.zero=1; use zero 0, 2 or 3", p.ep)
@@ -63,5 +67,9 @@ def check_ep(p, e: MoEConfig, sizes: dict[str, int] | None = None) -> None:
     if p.zero >= 2:
         check(sizes["dp_shard"] % p.ep == 0, "parallel.ep",
               f"must divide parallel.dp_shard={sizes['dp_shard']} under zero {p.zero} (the expert "
-              f"ranks are carved out of the sharding ranks)", p.ep)
-    check(dp % p.ep == 0, "parallel.ep", f"must divide the {dp} data-parallel ranks", p.ep)
+              f"ranks are carved out of the sharding ranks); make parallel.dp_shard a multiple of "
+              f"{p.ep} (e.g. -1 with parallel.dp_replicate=1) or lower parallel.ep", p.ep)
+    check(dp % p.ep == 0, "parallel.ep", f"must divide the {dp} data-parallel ranks (dp_replicate="
+          f"{sizes['dp_replicate']} x dp_shard={sizes['dp_shard']}): expert parallelism borrows them and "
+          f"adds none; make them a multiple of {p.ep} (more workers, or a smaller parallel.tp or "
+          f"parallel.pp) or lower parallel.ep", p.ep)
