@@ -2,7 +2,8 @@
 client from the file store in the run directory) holds every logged step's loss and the config as
 parameters; a W&B offline run (read back from its transaction log) holds every step too; a resumed
 run continues the same tracker runs; the report's plots become artifacts; a tracker that is not
-installed is one line before any worker starts."""
+installed is one line before any worker starts; each tracker's own environment variables win over
+allhands' defaults (one test per variable, the tracker opened in the test's process)."""
 
 from __future__ import annotations
 
@@ -275,3 +276,85 @@ def test_a_tracker_that_fails_is_one_warning_and_the_run_goes_on(tmp_path, monke
     assert trackers.open == {} and len(lines) == 1
     assert lines[0].startswith("allhands: warning: mlflow: ")
     assert lines[0].endswith("; no longer logging to mlflow")
+
+
+def open_tracker(run_dir: Path, name: str) -> list[str]:
+    """What a run does with one tracker, here in the test's process: settle the environment as
+    the launcher does, open the tracker, log a step, close. Returns every line it said."""
+    from allhands.trackers import Trackers
+
+    lines = tracker_environment([name], os.environ)
+    trackers = Trackers(run_dir, [name], {"run": {"name": "t"}}, say=lines.append)
+    assert name in trackers.open, lines
+    trackers.log({"step": 1, "loss": 2.0})
+    trackers.close(finished=True)
+    return lines
+
+
+def wandb_run_record(offline_dir: Path):
+    (log,) = offline_dir.glob("run-*.wandb")
+    return next(r.run for r in wandb_records(log) if r.WhichOneof("record_type") == "run")
+
+
+@pytest.fixture
+def fresh_wandb():
+    """W&B reads its environment once per process (its ``wandb.setup`` singleton), as a worker
+    does; a test that changes the environment starts from a new singleton, and leaves none."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+@pytest.mark.parametrize("variable", ["WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE"])
+def test_wandb_honours_its_own_environment(variable, tmp_path, monkeypatch, fresh_wandb):
+    isolate(monkeypatch, tmp_path)
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "wandb-dir"
+    run_dir.mkdir()
+    elsewhere.mkdir()
+    value = {"WANDB_DIR": str(elsewhere), "WANDB_PROJECT": "their-project",
+             "WANDB_ENTITY": "their-team", "WANDB_MODE": "disabled"}[variable]
+    monkeypatch.setenv(variable, value)
+    lines = open_tracker(run_dir, "wandb")
+    import wandb
+
+    wandb.teardown()  # as a worker's exit does: W&B's service writes out the run's log
+    if variable == "WANDB_MODE":  # allhands' default, offline to RUN/wandb, is not applied
+        assert os.environ["WANDB_MODE"] == "disabled" and lines == []
+        assert not (run_dir / "wandb").exists() and not list(tmp_path.rglob("run-*.wandb"))
+        return
+    shown = elsewhere / "wandb" if variable == "WANDB_DIR" else "RUN/wandb"
+    assert lines == [f"allhands: wandb: no API key and no WANDB_MODE: logging offline to {shown} "
+                     f"(upload it later with `wandb sync {shown}/offline-run-*`)"]
+    where = elsewhere if variable == "WANDB_DIR" else run_dir
+    (offline,) = (where / "wandb").glob("offline-run-*")
+    assert (run_dir / "wandb").exists() == (variable != "WANDB_DIR")
+    record = wandb_run_record(offline)
+    assert record.project == (value if variable == "WANDB_PROJECT" else "allhands")
+    assert record.entity == (value if variable == "WANDB_ENTITY" else "")
+
+
+@pytest.mark.parametrize("variable", ["MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"])
+def test_mlflow_honours_its_own_environment(variable, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    isolate(monkeypatch, tmp_path)
+    run_dir, store = tmp_path / "run", tmp_path / "their-store"
+    run_dir.mkdir()
+    if variable == "MLFLOW_TRACKING_URI":
+        monkeypatch.setenv(variable, store.as_uri())
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # their store, their setting
+    else:
+        monkeypatch.setenv(variable, "their-experiment")
+    assert open_tracker(run_dir, "mlflow") == []
+    entry = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    if variable == "MLFLOW_TRACKING_URI":
+        assert entry["tracking_uri"] == store.as_uri() and not (run_dir / "mlruns").exists()
+        client = MlflowClient(tracking_uri=store.as_uri())
+    else:
+        client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    run = client.get_run(entry["run_id"])
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [2.0]
+    experiment = client.get_experiment(run.info.experiment_id).name
+    assert experiment == ("their-experiment" if variable == "MLFLOW_EXPERIMENT_NAME" else "t")

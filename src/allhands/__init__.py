@@ -54,7 +54,8 @@ def train(config: Config | None = None, *, model=None, data=None, loss=None, res
             resume = cfg.run.dir
         # in this process only: a launched rank 0 cannot know whether its peers have started
         fresh = not (env.launched or resume or (cfg.run.dir and Path(cfg.run.dir).exists()))
-        cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0)
+        cfg = resolve_run(cfg, resume=resume, world_size=env.world_size, write=env.rank == 0,
+                          own_data=job.data is not None)
         with removed_if_unstarted(Path(cfg.run.dir), created=fresh):
             return run_training(cfg, job)
 

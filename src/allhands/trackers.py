@@ -4,9 +4,11 @@ One small class per tracker behind one interface: ``log(step, values)`` for each
 (eval loss included), ``files(paths)`` for the report's plots, ``close(finished)``. The resolved
 config is each run's parameters. A tracker's run id is kept in ``RUN/trackers.json``, so a resumed
 or restarted run continues the same tracker run (W&B ``resume="allow"`` with a fixed id, MLflow the
-same run id) instead of starting a new one. Each tracker reads its own environment: W&B its
-``WANDB_*`` settings (``WANDB_MODE=offline`` writes ``RUN/wandb/offline-run-*`` for ``wandb sync``),
-MLflow ``MLFLOW_TRACKING_URI`` (default: a file store in ``RUN/mlruns``).
+same run id) instead of starting a new one. Each tracker reads its own environment, and allhands'
+defaults fill only what is unset: W&B its ``WANDB_*`` settings (``WANDB_DIR`` default the run
+directory, ``WANDB_PROJECT`` default ``allhands``, ``WANDB_MODE`` default offline without an API
+key), MLflow ``MLFLOW_TRACKING_URI`` (default: a file store in ``RUN/mlruns``) and
+``MLFLOW_EXPERIMENT_NAME`` (default: ``run.name``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import netrc
+import os
 import secrets
 import sys
 import time
@@ -65,11 +68,13 @@ def tracker_environment(trackers: Sequence[str], environ: MutableMapping[str, st
     """
     lines = []
     if "wandb" in trackers:
-        environ.setdefault("WANDB_PROJECT", "allhands")
+        if not environ.get("WANDB_PROJECT"):
+            environ["WANDB_PROJECT"] = "allhands"
         if not environ.get("WANDB_MODE") and not _wandb_key(environ):
             environ["WANDB_MODE"] = "offline"
-            lines.append("allhands: wandb: no API key and no WANDB_MODE: logging offline to "
-                         "RUN/wandb (upload it later with `wandb sync RUN/wandb/offline-run-*`)")
+            where = str(Path(environ["WANDB_DIR"]) / "wandb") if environ.get("WANDB_DIR") else "RUN/wandb"
+            lines.append(f"allhands: wandb: no API key and no WANDB_MODE: logging offline to "
+                         f"{where} (upload it later with `wandb sync {where}/offline-run-*`)")
     if "mlflow" in trackers and not environ.get("MLFLOW_TRACKING_URI"):
         environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     return lines
@@ -151,9 +156,12 @@ class WandB:
         import wandb  # optional dependency, imported only on rank 0 when the tracker is on
 
         entry.setdefault("id", secrets.token_hex(4))
+        # The run directory is only the default: wandb.init's dir= would override WANDB_DIR, so it
+        # is passed only when WANDB_DIR is unset (W&B reads the variable itself).
+        where = None if os.environ.get("WANDB_DIR") else str(run_dir)
         # console="off": W&B would otherwise wrap stdout/stderr, under the progress bar and the
         # launcher's lines; no system-stats sampler thread beside the training loop.
-        run = wandb.init(id=entry["id"], resume="allow", dir=str(run_dir), name=run_dir.name,
+        run = wandb.init(id=entry["id"], resume="allow", dir=where, name=run_dir.name,
                          settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
         if config is not None:
             # a resumed run may change a value (--set run.steps=...): the latest config wins

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from allhands.checkpoint.catalog import committed
 from allhands.checkpoint.hf import write_hf
-from allhands.checkpoint.manifest import verify_manifest
+from allhands.checkpoint.manifest import MANIFEST_NAME, verify_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
 from allhands.config import load_config, parse_mix
 from allhands.data.tokenizer import CHAT_TEMPLATE_FILE, EOT, TOKENIZER_CONFIG, byte_tokenizer_json
@@ -171,6 +171,32 @@ def builds_on_meta(cfg, own_model: bool) -> bool:
     p = cfg.parallel
     return (not own_model and bool(cfg.checkpoint.init_from) and is_hf_dir(Path(cfg.checkpoint.init_from))
             and p.zero >= 2 and p.sync == "allreduce")
+
+
+def check_init_from(path: str | os.PathLike) -> None:
+    """Before any worker starts: a directory in ``checkpoint.init_from`` is one that
+    :func:`load_weights` reads, a transformers directory or a committed checkpoint; anything else
+    is a ConfigError saying what was looked for and what the directory holds instead."""
+    p = Path(path)
+    if not path or not p.is_dir() or is_hf_dir(p) or (p / MANIFEST_NAME).is_file() or (p / ".metadata").is_file():
+        return  # a file, or a directory load_weights reads (and names what is wrong inside it)
+    names = sorted(f.name for f in p.iterdir())
+    fix = "pass one of those, or a .safetensors file from `allhands export`"
+    saved = committed(p / "checkpoints")
+    if saved:
+        holds, fix = "it is a run directory", f"pass one of its checkpoints, e.g. {str(saved[-1][1])!r}"
+    elif "config.json" in names:
+        holds = "it has config.json but no safetensors weights"
+        if any(n.endswith(".bin") for n in names):  # transformers' pickled weights: never loaded
+            fix = "save the model again with save_pretrained(..., safe_serialization=True)"
+    elif names:
+        holds = "it holds " + ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    else:
+        holds = "it is empty"
+    raise ConfigError(f"checkpoint.init_from: {str(p)!r} is neither a transformers directory "
+                      f"(config.json with model.safetensors or model.safetensors.index.json) nor an "
+                      f"allhands checkpoint (manifest.json, as in RUN/checkpoints/step-N): {holds}; "
+                      f"{fix}")
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:

@@ -68,6 +68,8 @@ class DataConfig:
                                 "across documents), mask (whole documents packed into rows, "
                                 "attention and positions kept inside each; model.family=llama), "
                                 "pad (one document a row)")
+    tokenizer_check: bool = _f(True, "stop a run whose checkpoint.init_from directory has a tokenizer.json "
+                                     "that reads the prepared data's ids as other tokens; false trains anyway")
 
 
 @dataclass

@@ -284,13 +284,40 @@ def byte_tokenizer_json() -> str:
     tk = _library()
     from tokenizers import decoders, models, pre_tokenizers  # optional, as above
 
-    vocab = {ch: b for b, ch in gpt2_bytes_to_unicode().items()}
-    vocab[EOT] = ByteTokenizer.eot
-    tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = tk.Tokenizer(models.BPE(vocab=byte_vocab(), merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOT])
     return tok.to_str()
+
+
+def byte_vocab() -> dict[str, int]:
+    """The byte tokenizer's token -> id map, spelled as its tokenizer.json spells it."""
+    return {**{ch: b for b, ch in gpt2_bytes_to_unicode().items()}, EOT: ByteTokenizer.eot}
+
+
+def vocab_of(path: Path) -> dict[str, int] | None:
+    """The token -> id map a tokenizer.json defines: its model's vocabulary (a dict for BPE,
+    WordPiece and WordLevel; a list of ``[piece, score]`` for Unigram, the id being the position)
+    and its added tokens. None when the file is missing or not a tokenizer.json we can read. Plain
+    JSON: no tokenizers library needed."""
+    try:
+        j = json.loads(Path(path).read_text(encoding="utf-8"))
+        vocab = j["model"]["vocab"]
+        out = ({str(k): int(v) for k, v in vocab.items()} if isinstance(vocab, dict)
+               else {str(piece[0]): i for i, piece in enumerate(vocab)})
+        out.update({str(t["content"]): int(t["id"]) for t in j.get("added_tokens") or ()})
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return out
+
+
+def prepared_vocab(path: Path, meta: dict) -> dict[str, int] | None:
+    """The token -> id map of the tokenizer a prepared directory (with its ``meta``) was made
+    with: the byte tokenizer's, or that of the tokenizer.json stored beside the shards."""
+    if meta.get("tokenizer") == "byte":
+        return byte_vocab()
+    return vocab_of(Path(path) / meta.get("tokenizer_file", TOKENIZER_FILE))
 
 
 def file_sha256(path: Path) -> str:

@@ -12,23 +12,26 @@ import time
 from pathlib import Path
 
 from allhands.checkpoint import committed
+from allhands.checkpoint.export import check_init_from
 from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
 from allhands.errors import AllhandsError, ConfigError, cannot_write
 from allhands.jobcheck import check_token_data
-from allhands.models.resolve import resolve_model
+from allhands.models.resolve import check_tokenizer, resolve_model
 from allhands.safefs import owner_problem, write_private
 from allhands.trackers import not_installed, selected, tracker_environment
 
 
 def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node: bool = False,
-                write: bool = True) -> Config:
+                write: bool = True, own_data: bool = False) -> Config:
     """Validate, settle the run directory and data path; ``write`` creates the directory and
     config.resolved.toml (the launcher, or rank 0 of a launched script). The model section is
     settled first (a preset's shape, a transformers directory's config.json), so the resolved
-    config builds the same model on resume."""
-    cfg = resolve_model(cfg)
+    config builds the same model on resume. ``own_data``: the Python API was given the data, so
+    no prepared data's tokenizer is compared with checkpoint.init_from's."""
+    cfg = resolve_model(cfg, say=_stderr if write else None)
     validate(cfg, world_size=world_size)
+    check_init_from(cfg.checkpoint.init_from)
     trackers = selected(cfg.log.trackers, cfg.log.tensorboard)
     missing = not_installed(trackers)
     if missing:
@@ -63,11 +66,17 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
     run_dir = run_dir.resolve()
     cfg.run.dir = str(run_dir)
     with_data(cfg)
+    if not own_data:
+        check_tokenizer(cfg)
     check_token_data(cfg.data.path, cfg.model.seq_len, cfg.run.global_batch)
     check_run_dir(run_dir)
     if write:
         _write(run_dir, to_toml(cfg))
     return cfg
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def with_data(cfg: Config) -> Config:
