@@ -35,7 +35,7 @@ def cases(report: Path) -> list[dict]:
             found = case.find(tag)
             if found is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                message = (found.get("message") or "").splitlines()[0][:200] if found.get("message") else ""
+                message = ((found.get("message") or "").splitlines() or [""])[0][:200]
                 break
         out.append(dict(nodeid=nodeid, outcome=outcome, seconds=float(case.get("time", 0)),
                         message=message))
