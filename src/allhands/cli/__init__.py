@@ -12,11 +12,16 @@ Each subcommand imports what it runs inside its own function, for start-up time:
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import difflib
 import gc
 import importlib.metadata
+import os
 import sys
+import threading
 import warnings
+from typing import NoReturn
 
 from allhands import __version__
 from allhands.cli import data, inspect, jobs
@@ -62,6 +67,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run(argv)
+    if argv is None:  # the command itself
+        _leave(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     args = _parse(argv)
     for category, message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
@@ -76,9 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("allhands: interrupted; the last committed checkpoint is intact", file=sys.stderr)
         return 130
-    finally:
-        if argv is None:  # the command itself, on every exit: skip a collection of torch's whole
-            gc.freeze()   # heap (seconds on a loaded machine; everything is closed by now)
+
+
+def _leave(code: int) -> NoReturn:
+    """End the command with ``code`` and without the interpreter's teardown. Python's exit
+    handlers still run (multiprocessing removes its temporary directory), then ``os._exit``:
+    ``exit()`` would also run torch's C++ static destructors, and one of them can meet a thread
+    still running (a TCPStore server torch keeps for reuse) and abort the process ("terminate
+    called without an active exception", exit 134) after the job's last line was said, turning
+    a requeue's 75 or a success's 0 into a crash. Skipping the teardown also skips collecting
+    torch's whole heap (seconds on a loaded machine; everything is closed by now)."""
+    gc.freeze()
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()  # what the interpreter's own shutdown waits for
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
