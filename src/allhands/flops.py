@@ -1,5 +1,6 @@
 """How much of the hardware a run uses: model FLOPs per step (torch's own counter), the
-accelerator's peak FLOP/s (datasheet table, or a measured GEMM peak on CPU) and their ratio, MFU.
+accelerator's peak FLOP/s (``log.peak_tflops``, else the datasheet table, or a measured GEMM peak
+on CPU) and their ratio, MFU.
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", appendix B) counts the FLOPs the
 model needs (forward + backward), not those the hardware ran: activation recomputation is left
@@ -15,6 +16,7 @@ import functools
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,22 +26,52 @@ import torch.nn as nn
 
 from allhands.env import cache_dir
 
-# Dense (no 2:4 sparsity) peak FLOP/s from NVIDIA's datasheets, SXM parts unless named: A100
-# (80 GB SXM: bf16 312 T, fp32 19.5 T), H100 SXM and H200 SXM (same compute: bf16 989 T, fp32
-# 67 T), H100 PCIe (bf16 756 T, fp32 51 T). fp32 is the non-tensor-core rate, which torch uses
-# unless TF32 is enabled. Longest name first: "H100 PCIe" before "H100".
+# Dense peak FLOP/s of one device from the vendors' datasheets, as {"bf16": tensor-core bf16,
+# "fp32": the non-tensor-core fp32 rate, which torch uses unless TF32 is enabled}. Datasheets
+# print the tensor rates with 2:4 sparsity, twice the dense ones, which are used here.
+#   A100 SXM4 and PCIe (40/80 GB)  bf16 312 T, fp32 19.5 T
+#   A10                            bf16 125 T (250 sparse), fp32 31.2 T
+#   L4                             bf16 121 T (242 sparse), fp32 30.3 T
+#   L40S                           bf16 362 T (733 sparse), fp32 91.6 T
+#   H100 SXM5, H800 SXM            bf16 989 T (1,979 sparse), fp32 67 T
+#   H100 PCIe, H800 PCIe           bf16 756 T (1,513 sparse), fp32 51 T
+#   H100 NVL (94 GB)               bf16 835 T (1,671 sparse), fp32 60 T
+#   H200 SXM, GH200                bf16 989 T (1,979 sparse), fp32 67 T
+#   H200 NVL                       bf16 835 T (1,671 sparse), fp32 60 T
+#   B200 (HGX B200 / 8)            bf16 2.25 P (36 P sparse / 8), fp32 75 T (600 T / 8)
+#   GB200 (GB200 NVL72 / 72)       bf16 2.5 P (360 P sparse / 72), fp32 80 T (5,760 T / 72)
+#   AMD Instinct MI300X, MI325X    bf16 1,307 T (2,615 sparse), fp32 163.4 T (vector)
+# A name matches where the key stands as a whole word in it, longest key first: "H100 NVL" and
+# "H100 PCIe" before "H100", and neither "A10" in "A100" nor "H200" in "GH200" nor "B200" in
+# "GB200" matches. plan/cluster.py reads "A100", "H100" and "H200" as its nodes' parts.
+_SXM_HOPPER = {"bf16": 989e12, "fp32": 67e12}
+_NVL_HOPPER = {"bf16": 835e12, "fp32": 60e12}
+_PCIE_HOPPER = {"bf16": 756e12, "fp32": 51e12}
+_MI300 = {"bf16": 1307.4e12, "fp32": 163.4e12}
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp32": 67e12},
-    "H200": {"bf16": 989e12, "fp32": 67e12},
     "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "A10": {"bf16": 125e12, "fp32": 31.2e12},
+    "L4": {"bf16": 121e12, "fp32": 30.3e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
+    "H100": _SXM_HOPPER,
+    "H100 PCIe": _PCIE_HOPPER,
+    "H100 NVL": _NVL_HOPPER,
+    "H800": _SXM_HOPPER,
+    "H800 PCIe": _PCIE_HOPPER,
+    "H200": _SXM_HOPPER,
+    "H200 NVL": _NVL_HOPPER,
+    "GH200": _SXM_HOPPER,
+    "B200": {"bf16": 2250e12, "fp32": 75e12},
+    "GB200": {"bf16": 2500e12, "fp32": 80e12},
+    "MI300X": _MI300,
+    "MI325X": _MI300,
 }
 
 
 def accelerator_peak(device_name: str, dtype: str) -> float | None:
     """Datasheet peak of a GPU by its ``torch.cuda.get_device_name`` (None when not in the table)."""
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
+        if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device_name.lower()):
             return PEAK_FLOPS[key][dtype]
     return None
 
@@ -121,8 +153,12 @@ def raise_cpu_gemm_peak(threads: int, dtype: str, achieved: float) -> float:
     return _keep_peak(_peak_key(threads, dtype), max(measured, achieved))
 
 
-def peak_flops(device: torch.device, dtype: str, threads: int) -> tuple[float | None, str]:
-    """(peak FLOP/s of one worker's device, where the figure comes from)."""
+def peak_flops(device: torch.device, dtype: str, threads: int,
+               peak_tflops: float = 0.0) -> tuple[float | None, str]:
+    """(peak FLOP/s of one worker's device, where the figure comes from); ``peak_tflops``
+    (``log.peak_tflops``), when > 0, is the figure for any device."""
+    if peak_tflops > 0:
+        return peak_tflops * 1e12, "log.peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return accelerator_peak(name, dtype), f"datasheet {name}"
@@ -215,17 +251,20 @@ class StepFlops:
     def start(cls, build: Callable[[], nn.Module], sample: tuple[torch.Tensor, torch.Tensor],
               loss_fn: Callable, *, global_batch: int, device: torch.device, bf16: bool,
               threads: int, devices: int, leader: bool, barrier: Callable[[], None],
-              formula: Callable[[], int] | None = None) -> "StepFlops | None":
+              formula: Callable[[], int] | None = None, peak_tflops: float = 0.0) -> "StepFlops | None":
         """Count one sample's FLOPs and find the peak. On CPU the node's ``leader`` measures the
         GEMM peak (when not cached) while the other workers wait in ``barrier``, so that they do
         not compete for the cores it measures. A model that cannot run on meta tensors takes
-        ``formula``'s FLOPs per sample (a shipped mixture of experts); without one, None."""
+        ``formula``'s FLOPs per sample (a shipped mixture of experts); without one, None.
+        ``peak_tflops`` > 0 (``log.peak_tflops``, alike on every rank) is the peak: nothing is
+        measured, looked up or raised."""
         dtype = "bf16" if bf16 else "fp32"
-        if device.type == "cpu":
+        measured = device.type == "cpu" and not peak_tflops > 0
+        if measured:
             if leader:
                 cpu_gemm_peak(threads, dtype)
             barrier()
-        peak, source = peak_flops(device, dtype, threads)
+        peak, source = peak_flops(device, dtype, threads, peak_tflops)
         x, y = (t[:1] for t in sample)
         try:
             with torch.random.fork_rng(devices=[]):  # a user builder may draw from the CPU generator
@@ -235,6 +274,6 @@ class StepFlops:
                 return None
             per_sample = formula()
         raise_peak = functools.partial(raise_cpu_gemm_peak, threads, dtype) \
-            if device.type == "cpu" and leader else None
+            if measured and leader else None
         return cls(per_step=per_sample * global_batch, peak=peak, devices=devices, peak_source=source,
                    raise_peak=raise_peak)

@@ -120,11 +120,13 @@ class Hang:
     stale_s: float
     host: str
     detected_at: float
+    first_step_timeout: float = 0.0  # > 0: judged in its first step, by this limit
 
     def describe(self, timeout: float) -> str:
+        limit = (f"the first step; fault.first_step_timeout_s={self.first_step_timeout:g}"
+                 if self.first_step_timeout else f"fault.hang_timeout_s={timeout:g}")
         return (f"worker rank {self.rank} (pid {self.pid}) on node {self.host} hung: no progress for "
-                f"{self.stale_s:.1f} s after step {self.step} (fault.hang_timeout_s={timeout:g}); "
-                f"the watchdog killed it")
+                f"{self.stale_s:.1f} s after step {self.step} ({limit}); the watchdog killed it")
 
 
 def read_heartbeats(directory: Path) -> dict[int, tuple[int, int, float, str, bool, int]]:
@@ -139,20 +141,31 @@ def read_heartbeats(directory: Path) -> dict[int, tuple[int, int, float, str, bo
     return out
 
 
-def find_hang(beats: dict[int, tuple[int, int, float, str, bool]], now: float, timeout: float,
-              alive: Callable[[int], bool]) -> list[Hang]:
+def find_hang(beats: dict[int, tuple], now: float, timeout: float,
+              alive: Callable[[int], bool], first_step_timeout: float | None = None) -> list[Hang]:
     """The hung ranks: of the live, unfinished ranks, those at the lowest step, if the oldest of
     them has not beaten for ``timeout`` s. Ranks blocked in a collective waiting for a hung peer
-    stop beating too, but they got one step further, so they are not blamed."""
+    stop beating too, but they got one step further, so they are not blamed.
+
+    Given ``first_step_timeout``, ranks that have not completed a step of this attempt yet (at
+    the resumed step S or 'working on S+1': the beat's sixth field is S, see :func:`progressed`)
+    are judged by it instead, or by ``timeout`` if that is longer; 0: not at all. The first step
+    builds caches and buckets and, under torch.compile, compiles every graph, which takes minutes
+    for a large model on a GPU."""
     live = {r: b for r, b in beats.items() if not b[4] and alive(b[0])}
     if not live:
         return []
     low = min(b[1] for b in live.values())
     cands = {r: b for r, b in live.items() if b[1] == low}
-    if now - min(b[2] for b in cands.values()) < timeout:
+    first = 0.0
+    if first_step_timeout is not None and any(b[1] < b[5] + 2 for b in cands.values()):
+        if first_step_timeout <= 0:
+            return []
+        first = max(first_step_timeout, timeout)
+    if now - min(b[2] for b in cands.values()) < (first or timeout):
         return []
-    return [Hang(r, b[0], b[1], now - b[2], b[3], now) for r, b in sorted(cands.items())]
-
+    return [Hang(r, b[0], b[1], now - b[2], b[3], now, first if first > timeout else 0.0)
+            for r, b in sorted(cands.items())]
 
 
 HANGS_FILE = "hangs.log"

@@ -62,6 +62,8 @@ def check_fault(f: FaultConfig) -> None:
     check(f.max_restarts >= 0, "fault.max_restarts", "must be >= 0", f.max_restarts)
     check(f.backoff_s >= 0, "fault.backoff_s", "must be >= 0", f.backoff_s)
     check(f.hang_timeout_s >= 0, "fault.hang_timeout_s", "must be >= 0 (0 disables)", f.hang_timeout_s)
+    check(f.first_step_timeout_s >= 0, "fault.first_step_timeout_s", "must be >= 0 (0 = no limit)",
+          f.first_step_timeout_s)
     check(f.nonfinite in ("skip", "rollback", "stop"), "fault.nonfinite",
            "allowed: skip, rollback, stop", f.nonfinite)
     check(f.max_nonfinite >= 1, "fault.max_nonfinite", "must be >= 1", f.max_nonfinite)

@@ -28,8 +28,9 @@ class ModelConfig:
     directory)."""
 
     family: str = _f("gpt", "gpt (the reference GPT-2-style decoder) or llama (Llama 2/3, Mistral, Qwen2, Qwen3)")
-    preset: str = _f("", "a named shape, e.g. llama3-8b, qwen3-0.6b (docs/models.md); fields left at "
-                         "their default take the preset's value")
+    preset: str = _f("", "a named shape, e.g. llama3-8b, qwen3-0.6b (docs/models.md); it fills the "
+                         "fields the TOML file and --set leave out (a field they set keeps its value, "
+                         "even its default)")
     n_layer: int = _f(4, "number of transformer blocks")
     n_head: int = _f(4, "attention heads per block")
     n_embd: int = _f(128, "embedding width; must be divisible by n_head unless head_dim is set")
@@ -191,6 +192,9 @@ class FaultConfig:
     backoff_s: float = _f(1.0, "wait before a restart: backoff_s * 2**(k-1) after k failures in a row "
                                     "that completed no step, capped at 60 s; >= 0")
     hang_timeout_s: float = _f(180.0, "kill a worker with no step progress for this long; 0 disables")
+    first_step_timeout_s: float = _f(1800.0, "the same limit for the first step of each (re)start, which "
+                                             "builds caches and compiles (minutes for a large model under "
+                                             "run.compile); at least hang_timeout_s; 0 = no limit")
     nonfinite: str = _f("skip", "on a NaN/Inf loss or gradient: skip (the update), rollback, or stop")
     max_nonfinite: int = _f(5, "stop after this many non-finite steps in a row, >= 1")
     inject: str = _f("", "deterministic faults RANK:STEP:KIND[,...]; KIND: a signal name, "
@@ -230,6 +234,9 @@ class LogConfig:
                                  "tensorboard out of log.trackers")
     trackers: list[str] = _f(["tensorboard"], "experiment trackers rank 0 logs to: tensorboard, wandb, "
                                               "mlflow (a TOML list, or NAME,NAME in --set)")
+    peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, which MFU is measured against; 0 = the "
+                                 "datasheet table for a GPU (bf16 or fp32 as the run computes), a "
+                                 "measured GEMM peak on CPU; >= 0")
 
 
 @dataclass
@@ -246,7 +253,8 @@ class RunConfig:
     device: str = _f("auto", "auto (cuda when available, else cpu), cpu or cuda")
     precision: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
     check_sync: bool = _f(False, "debug: compare a parameter checksum across ranks after each update")
-    threads: int = _f(0, "torch intra-op threads per CPU worker; 0 = CPU cores / workers on the node")
+    threads: int = _f(0, "torch intra-op threads per CPU worker; 0 = the cores the launcher may run on "
+                       "(its CPU affinity: Slurm's or taskset's) / workers on the node")
     compile: bool = _f(False, "torch.compile each transformer block (after tensor parallelism and activation "
                        "checkpointing, before FSDP/DDP; under pp each stage's blocks)")
 
@@ -268,13 +276,46 @@ class Config:
     ps: PSConfig = field(default_factory=PSConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every field's value; the dict also carries which fields were given (:func:`given`),
+        so that ``from_dict(to_dict())`` is an exact copy, one a preset still treats alike."""
+        out = _ConfigDict(dataclasses.asdict(self))
+        out.given = {sec.name: given(getattr(self, sec.name)) for sec in dataclasses.fields(self)}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """The tree with ``d``'s values; each of them counts as given, as in a TOML file, except
+        in a dict from :meth:`to_dict`, which says itself which were."""
         cfg = cls()
         _merge(cfg, d, "")
+        record = getattr(d, "given", None)
+        if record is not None:
+            for name, names in record.items():
+                getattr(cfg, name).__dict__[_GIVEN] = frozenset(names)
         return cfg
+
+
+class _ConfigDict(dict):
+    """A plain dict of values (JSON, comparisons and trackers see nothing else) with the record
+    of given fields as an attribute, which pickling to a worker keeps."""
+
+    given: dict[str, frozenset[str]]
+
+
+# --------------------------------------------------------------------------- given fields
+
+_GIVEN = "_allhands_given"
+
+
+def given(section: Any) -> frozenset[str]:
+    """The fields of ``section`` that a TOML file, ``--set`` or a dict gave a value, whatever the
+    value: a preset leaves them alone. A section built in Python keeps no record (empty)."""
+    return section.__dict__.get(_GIVEN, frozenset())
+
+
+def mark_given(section: Any, names: Any) -> None:
+    """Record ``names`` as given in ``section`` (a resolved section: every field is final)."""
+    section.__dict__[_GIVEN] = given(section) | frozenset(names)
 
 
 # --------------------------------------------------------------------------- merging
@@ -328,3 +369,4 @@ def _merge(node: Any, d: Any, prefix: str) -> None:
             _merge(current, value, path + ".")
         else:
             setattr(node, key, _coerce(value, _type_of(node, key), path))
+            mark_given(node, (key,))

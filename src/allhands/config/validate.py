@@ -53,6 +53,8 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check(lg.interval >= 1, "log.interval", "must be >= 1", lg.interval)
     for t in lg.trackers:
         check(t in TRACKERS, "log.trackers", "allowed: " + ", ".join(TRACKERS), t)
+    check(lg.peak_tflops >= 0, "log.peak_tflops", "must be >= 0 (0 = the datasheet table or a "
+          "measured CPU peak)", lg.peak_tflops)
     check(lg.progress_s >= 0, "log.progress_s", "must be >= 0 (0 disables the plain progress lines)",
            lg.progress_s)
     check(d.eval_batches >= 0, "data.eval_batches", "must be >= 0", d.eval_batches)

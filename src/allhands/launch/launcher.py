@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -46,6 +47,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def worker_threads(nproc: int) -> int:
+    """``run.threads = 0``: the usable cores shared by this node's ``nproc`` workers. Not
+    ``os.cpu_count()``: a Slurm job given 16 of a host's 224 cores would run 8 workers x 28
+    threads on those 16, each thread waiting for a core most of the time."""
+    return max(1, usable_cores() // nproc)
+
+
 def oversubscribed(nproc: int, cores: int) -> str | None:
     """The one warning for more workers on this node than cores, else None: every step waits
     for the slowest worker, and each gets a share of a core, so steps slow down by about
@@ -55,6 +63,71 @@ def oversubscribed(nproc: int, cores: int) -> str | None:
     return (f"allhands: warning: {nproc} workers on {cores} core(s): each gets about "
             f"{cores / nproc:.2g} of a core and every step waits for the slowest; set --nproc "
             f"{cores} or expect slow steps")
+
+
+# Entries of torch's NCCL flight recorder: the last collectives of every process group, enough
+# to see which one a rank was stuck in (torch's own default where it records at all).
+FLIGHT_RECORDER_ENTRIES = 2000
+# The recorder's variables: (the name torch 2.11 and later read first, the older name). torch
+# 2.13 still reads the older names but warns in every worker that they are deprecated; releases
+# from before the recorder became backend-neutral (2025) know only the older ones, which are
+# used below 2.11, the first release seen with the new names.
+_FR_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_FR_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def flight_recorder_env(log_dir: Path, environ: Any) -> dict[str, str]:
+    """The variables that make a NCCL collective timeout dump each rank's flight recorder (its
+    recent collectives, which ``python -m torch.distributed.flight_recorder.fr_trace`` reads) to
+    ``log_dir/nccl_trace_rank_<rank>``, the run's logs, instead of /tmp on whichever node timed
+    out. Each is left out where the user set it (under either name). A gloo job ignores them."""
+    new = 0 if torch.__version__ >= "2.11" else 1
+    out: dict[str, str] = {}
+    if not set(_FR_BUFFER) & set(environ):
+        out[_FR_BUFFER[new]] = str(FLIGHT_RECORDER_ENTRIES)
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
+        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if not set(_FR_FILE) & set(environ):
+        out[_FR_FILE[new]] = str(log_dir / "nccl_trace_rank_")
+    return out
+
+
+def socket_interfaces(spec: LaunchSpec, environ: Any) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the workers. One node: loopback (NCCL's
+    unless the user chose one). Many: the interface of ``--bind``, else of ``--local-addr``, the
+    address the other nodes reach, for both, unless the user set GLOO_SOCKET_IFNAME (then both
+    are theirs) or NCCL_SOCKET_IFNAME; left alone, NCCL's bootstrap picks an interface of its own
+    (the first that is not loopback or a container bridge), which need not be one the other
+    nodes can reach."""
+    if not spec.multi_node:
+        return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo")}
+    if "GLOO_SOCKET_IFNAME" in environ:
+        return {}
+    ifname = next((interface_of(a) for a in (spec.bind, spec.local_addr) if a and interface_of(a)), None)
+    if not ifname:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": ifname,
+            **({} if "NCCL_SOCKET_IFNAME" in environ else {"NCCL_SOCKET_IFNAME": ifname})}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]):
+    """Set ``values`` (None: unset) for the workers started inside, and restore what was there
+    afterwards: a process that runs several jobs must not hand one job's settings to the next."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        _set_environ(values)
+        yield
+    finally:
+        _set_environ(saved)
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _environment_fixes(spec: LaunchSpec, threads: int) -> None:
@@ -110,7 +183,7 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     spec = spec.validated()
     if warning := oversubscribed(spec.nproc, usable_cores()):
         print(warning, file=sys.stderr, flush=True)
-    _environment_fixes(spec, threads or max(1, (os.cpu_count() or 1) // spec.nproc))
+    _environment_fixes(spec, threads or worker_threads(spec.nproc))
     _quiet_intrusions_in_threads()
     # Before the private temporary directory: the forkserver outlives this job (the next one in
     # this process reuses it) and multiprocessing puts its socket in the temporary directory.
@@ -135,7 +208,10 @@ def launch(entrypoint: Callable | str, args: tuple, spec: LaunchSpec, *, threads
     # Every temporary file of the launcher, torch's spawner (the pickled traceback of a failed
     # worker it reads back) and the workers goes to a directory only this user can enter, and
     # everything the job writes is the user's alone (safefs.py).
-    with safefs.private_tmp(), safefs.private_umask(), stop.handling():
+    recorder = flight_recorder_env(log_dir, os.environ) if log_dir is not None else {}
+    with safefs.private_tmp(), safefs.private_umask(), stop.handling(), _environment(recorder):
+        if log_dir is not None:  # where a NCCL timeout dumps: made before any rank can time out
+            log_dir.mkdir(parents=True, exist_ok=True)
         try:
             supervise(attempt, policy, run_dir=run_dir, restart_here=not spec.multi_node,
                       checkpoints=checkpoints, resume_dir=resume_dir)
@@ -184,34 +260,17 @@ def _secured(spec: LaunchSpec, run_id: str, timeouts: Any = None):
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = None
     # Set for the workers only and restored afterwards: a process that launches a single-node
     # job and then a multi-node one must not pin the second to loopback.
-    if not spec.multi_node:
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-        env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
-    elif "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo listens where we were told: --bind, else the address other nodes reach us at
-        ifname = next((interface_of(a) for a in (spec.bind, spec.local_addr) if a and interface_of(a)), None)
-        if ifname:
-            env["GLOO_SOCKET_IFNAME"] = ifname
-    saved = {k: os.environ.get(k) for k in env}
+    env.update(socket_interfaces(spec, os.environ))
     try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        gloo = os.environ.get("GLOO_SOCKET_IFNAME") or "the host name's address"
-        admitted = ("workers must prove the job secret" if secret
-                    else "NO admission check (--insecure)")
-        print(f"allhands: {listeners.describe()}; gloo on {gloo}; {admitted}", file=sys.stderr,
-              flush=True)
-        yield listeners
+        with _environment(env):
+            gloo = os.environ.get("GLOO_SOCKET_IFNAME") or "the host name's address"
+            admitted = ("workers must prove the job secret" if secret
+                        else "NO admission check (--insecure)")
+            print(f"allhands: {listeners.describe()}; gloo on {gloo}; {admitted}", file=sys.stderr,
+                  flush=True)
+            yield listeners
     finally:
         listeners.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _default_run_id(spec: LaunchSpec, run_dir: str = "") -> str:
@@ -231,7 +290,7 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
     spec = spec.validated()
     if cfg.run.threads == 0:
         cfg = Config.from_dict(cfg.to_dict())
-        cfg.run.threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+        cfg.run.threads = worker_threads(spec.nproc)
     # one node only: on many, another node may be using the directory this one made
     fresh = not (resume or spec.multi_node or (cfg.run.dir and Path(cfg.run.dir).exists()))
     cfg = resolve_run(cfg, resume=resume, world_size=spec.nproc * spec.nnodes,
@@ -300,4 +359,5 @@ def restart_policy(cfg: Config, spec: LaunchSpec) -> RestartPolicy:
     """The job's restart policy from ``fault.*``; ``--max-restarts``, when given, wins."""
     f = cfg.fault
     restarts = spec.max_restarts if spec.max_restarts >= 0 else f.max_restarts
-    return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s)
+    return RestartPolicy(max_restarts=restarts, backoff_s=f.backoff_s, hang_timeout_s=f.hang_timeout_s,
+                         first_step_timeout_s=f.first_step_timeout_s)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from allhands.checkpoint import committed
+from allhands.config import FaultConfig
 from allhands.errors import LaunchError
 
 # Worker failures whose cause repeats on every restart: restarting would only burn the budget.
@@ -83,6 +84,7 @@ class RestartPolicy:
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     hang_timeout_s: float = 0.0
+    first_step_timeout_s: float = FaultConfig.first_step_timeout_s
 
     def delay(self, restart: int) -> float:
         """Seconds to wait before restart number ``restart`` (1-based): doubling, capped."""

@@ -55,7 +55,11 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
         # its group's (as in replica mode, replica/heal.py)
         where = run_dir / "ps-servers" if g == workers else group_dir(run_dir, g) / "ps-worker"
         resume = run_dir / "ps-checkpoints" if g == workers else group_dir(run_dir, g) / "checkpoints"
-        args = (cfg.to_dict(), job, g, workers + 1, store.port, launch, entry, group_spec, policy,
+        # The servers compile nothing and beat their update count: their first updates are
+        # judged as any other (supervisor.py), not by fault.first_step_timeout_s.
+        world_policy = policy if g < workers else dataclasses.replace(
+            policy, first_step_timeout_s=policy.hang_timeout_s)
+        args = (cfg.to_dict(), job, g, workers + 1, store.port, launch, entry, group_spec, world_policy,
                 where, resume)
         if method == "forkserver":
             target, args = forkstart.forked, (forkstart.Inherited(), _group_main, *args)

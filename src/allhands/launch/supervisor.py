@@ -14,7 +14,8 @@ The hang watchdog is our own, not torch's ``FileTimerServer``: on an expired tim
 SIGKILLs the worker and then its own process, which would be the ``allhands`` launcher itself
 (``torch/distributed/elastic/timer/file_based_local_timer.py``, "Terminating the server
 process"). Workers instead write a heartbeat file per rank at the top of every step; a thread in
-the launcher kills the rank that stopped earliest once its heartbeat is ``hang_timeout_s`` old.
+the launcher kills the rank that stopped earliest once its heartbeat is ``hang_timeout_s`` old,
+or ``first_step_timeout_s`` during the first step of an attempt, which may compile for minutes.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Watchdog:
     """Launcher side: a daemon thread that SIGKILLs hung workers; torch's agent then sees a dead
     worker, stops the rest, and the supervisor restarts them. ``hangs`` records every kill."""
 
-    def __init__(self, directory: Path, timeout_s: float):
-        self.dir, self.timeout = directory, timeout_s
+    def __init__(self, directory: Path, timeout_s: float, first_step_timeout_s: float | None = None):
+        self.dir, self.timeout, self.first_step_timeout = directory, timeout_s, first_step_timeout_s
         self.hangs: list[Hang] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="allhands-watchdog", daemon=True)
@@ -74,7 +75,7 @@ class Watchdog:
             now = time.time()
             if now < holdoff_until:
                 continue
-            hung = find_hang(read_heartbeats(self.dir), now, self.timeout, _alive)
+            hung = find_hang(read_heartbeats(self.dir), now, self.timeout, _alive, self.first_step_timeout)
             for h in hung:
                 try:
                     os.kill(h.pid, signal.SIGKILL)
@@ -108,7 +109,7 @@ def supervise(attempt: Callable[[int, Path], None], policy: RestartPolicy, *,
         while True:
             hb = root / f"attempt-{n}"
             hb.mkdir()
-            with Watchdog(hb, policy.hang_timeout_s) as dog:
+            with Watchdog(hb, policy.hang_timeout_s, policy.first_step_timeout_s) as dog:
                 try:
                     attempt(n, hb)
                     return

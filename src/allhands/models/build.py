@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import torch.nn as nn
 
-from allhands.config import ModelConfig, MoEConfig
+from allhands.config import ModelConfig, MoEConfig, given, mark_given
 from allhands.models.gpt import GPT, GPTConfig
 from allhands.models.llama import Llama, LlamaConfig
 from allhands.models.moe import MoEArgs
@@ -90,22 +90,28 @@ def build_model(fc: GPTConfig | LlamaConfig) -> nn.Module:
 
 
 def _filled(section, default, values: dict):
+    """``section`` with ``values`` in the fields the user did not set: neither given (TOML,
+    ``--set``, a dict) nor set in Python to other than their default. The result is final, so
+    every field counts as given: filling it again (a worker, ``allhands plan``, a resume reading
+    config.resolved.toml) changes nothing."""
+    mine = given(section)
     out = dataclasses.replace(section)
     for k, v in values.items():
-        if getattr(section, k) == getattr(default, k):
+        if k not in mine and getattr(section, k) == getattr(default, k):
             setattr(out, k, v)
+    mark_given(out, (f.name for f in dataclasses.fields(out)))
     return out
 
 
 def with_preset(m: ModelConfig) -> ModelConfig:
-    """``m`` with its preset's values in the fields left at their defaults."""
+    """``m`` with its preset's values in the fields the user did not set (:func:`_filled`)."""
     if not m.preset:
         return m
     return _filled(m, ModelConfig(), {k: v for k, v in preset(m.preset).items() if k != "moe"})
 
 
 def moe_preset(m: ModelConfig, e: MoEConfig) -> MoEConfig:
-    """``e`` with the ``moe`` values of ``m``'s preset (a mixture of experts') in the fields left
-    at their defaults; ``e`` itself for a dense preset or none."""
+    """``e`` with the ``moe`` values of ``m``'s preset (a mixture of experts') in the fields the
+    user did not set; ``e`` itself for a dense preset or none."""
     values = preset(m.preset).get("moe") if m.preset else None
     return _filled(e, MoEConfig(), values) if values else e

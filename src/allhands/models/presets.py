@@ -3,8 +3,9 @@
 tests. tests/test_models_llama.py checks each against transformers' own model built from the
 same numbers and against the published parameter count.
 
-A preset fills the ``model`` fields left at their defaults, so ``model.preset=llama3-8b`` with
-``model.n_layer=2`` is an 8B-wide model two blocks deep. A mixture of experts' preset fills the
+A preset fills the ``model`` fields the user did not set (models/build.py), so
+``model.preset=llama3-8b`` with ``model.n_layer=2`` is an 8B-wide model two blocks deep, and with
+``model.n_layer=4`` (the default) four. A mixture of experts' preset fills the
 ``moe`` section's fields the same way (``moe.n_experts=4`` keeps Mixtral's shape with 4 experts). ``seq_len`` stays the run's (the
 training sample length); ``max_positions`` records the context the model was published for.
 """
