@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "configdoc", "env", "faults", "heartbeat", "netlab", "safefs", "authstore",
      "stopflag", "hooks", "paths"),
+    ("collective",),  # allhands' own collectives, below models and muon that use it; mesh registers its groups
     ("data", "models", "metrics", "trackers", "report", "admission", "jobcheck", "job", "optim", "muon", "flops"),
     ("mesh",),
     ("parallel", "sync", "memory", "plan"),

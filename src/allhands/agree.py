@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from allhands import collective
 from allhands.faults import NonFiniteGuard
 
 STOP_CHECK_S = 1.0  # between logged steps, agree on a stop about once a second of training
@@ -54,7 +54,7 @@ class StepAgreement:
         if self.per_step:
             flags = torch.tensor([0.0 if _finite(loss_sum, gnorm) else 1.0, float(self.stop_signal())],
                                  device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            collective.all_reduce(flags, op=collective.MAX, call="agree (skip, stop)")
             bad, stop = flags.tolist()
             self._carried = int(stop)
             finite = not bad
@@ -76,7 +76,7 @@ class StepAgreement:
             return 0
         else:
             both = torch.tensor([float(self.stop_signal()), dt], dtype=torch.float64, device=self.device)
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            collective.all_reduce(both, op=collective.MAX, call="agree (stop)")
             stop, step_time = both.tolist()
         self.next_check = step + max(1, math.ceil(STOP_CHECK_S / max(step_time, 1e-9)))
         return int(stop)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from allhands import collective
 from allhands.data.sampler import collate
 from allhands.memory import local
 from allhands.mesh import Mesh
@@ -23,7 +23,7 @@ def evaluate(layout: Any, ds: Any, sampler: Any, batches: int,
     the token mean, job.TokenMeanLoss)."""
     mesh = layout.mesh
     layout.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    loss_sum, weight_sum = 0.0, 0  # host numbers: each loss is read once, as a Python float
     with torch.no_grad(), layout.autocast():
         for b in range(batches):
             idx = sampler.local_micro_batches(b, mesh.dp_rank, mesh.dp_size, 1)[0]
@@ -31,11 +31,12 @@ def evaluate(layout: Any, ds: Any, sampler: Any, batches: int,
             weight = weigh(idx)
             loss = layout.eval_loss(x, y)
             if layout.reports_loss:
-                total[0] += float(loss) * weight
-                total[1] += weight
+                loss_sum += float(loss) * weight
+                weight_sum += weight
     layout.train()
     # one contribution per data-parallel rank: from its rank that reports_loss
-    dist.all_reduce(total)
+    total = torch.tensor([loss_sum, weight_sum], dtype=torch.float64, device=collective.device())
+    collective.all_reduce(total, call="evaluate")
     return float(total[0] / total[1])
 
 
@@ -46,9 +47,10 @@ def param_checksums(model: nn.Module) -> torch.Tensor:
 
 def check_replicas(parts: list[nn.Module], mesh: Mesh, dim: str, step: int) -> None:
     """Raise when the ranks of mesh dim ``dim`` (those that hold equal parameters) differ."""
-    mine = torch.cat([param_checksums(part) for part in parts]).cpu()
+    mine = torch.cat([param_checksums(part) for part in parts])  # on the parameters' device: the mesh's
     gathered = [torch.empty_like(mine) for _ in range(mesh.size(dim))]
-    dist.all_gather(gathered, mine, group=mesh.group(dim))
+    collective.all_gather(gathered, mine, call="check_replicas", group=mesh.group(dim))
+    gathered = [g.cpu() for g in gathered]
     for rank, other in enumerate(gathered):
         if not torch.equal(other, gathered[0]):
             bad = int((other != gathered[0]).nonzero()[0])

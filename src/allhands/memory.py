@@ -21,10 +21,10 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from allhands import collective
 from allhands.parallel.zero1 import optimizer_for_checkpoint
 
 
@@ -87,10 +87,11 @@ def log_memory(metrics: Any, held: dict[str, int] | None, model: nn.Module, mesh
     if held is None:
         return False
     # numel per rank: under tp/pp each rank's model-parallel share differs
-    mine = torch.tensor([held["params"], held["grads"], held["optim"], held["numel"]], dtype=torch.float64)
+    mine = torch.tensor([held["params"], held["grads"], held["optim"], held["numel"]], dtype=torch.float64,
+                        device=collective.device())
     gathered = [torch.empty_like(mine) for _ in range(mesh.world_size)]
-    dist.all_gather(gathered, mine)
-    rows = [[int(v) for v in g.tolist()] for g in gathered]
+    collective.all_gather(gathered, mine, call="log_memory")
+    rows = [[int(v) for v in g] for g in torch.stack(gathered).tolist()]
     expected_rank = [expected_bytes(r[3], zero, mesh.size("dp_shard")) for r in rows]
     expected = expected_rank[0]
     metrics.log({"step": step, "memory_params_bytes": [r[0] for r in rows],

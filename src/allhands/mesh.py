@@ -16,11 +16,13 @@ from __future__ import annotations
 import datetime
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from allhands import collective
 from allhands.admission import admit_peers
 from allhands.config import MESH_DIMS, ParallelConfig, mesh_sizes
 from allhands.authstore import sealed
@@ -67,6 +69,8 @@ class Mesh:
     expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp); None when ep = 1
     _ckpt_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _admit: bool = field(default=False, repr=False)
+    _timeout: datetime.timedelta | None = field(default=None, repr=False)  # every group's
+    _cpu_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     DIMS = MESH_DIMS
 
@@ -82,27 +86,33 @@ class Mesh:
         sizes = {"cp": 1, **mesh_sizes(ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                                                        pp=pp, cp=cp), world_size)}
         timeout = datetime.timedelta(seconds=timeout_s)
+        # A CUDA device bound at init: NCCL connects eagerly, and the mesh's groups are split
+        # from the default communicator (ncclCommSplit) instead of each made from scratch.
+        bound = {"device_id": dev} if dev.type == "cuda" else {}
         admit = False  # launched workers prove the job secret on every group they will use
         if not dist.is_initialized():
             if store is not None:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                        timeout=timeout)
+                                        timeout=timeout, **bound)
                 admit_peers(dev)
                 admit = True
             elif world_size == 1 and rank == 0 and not _has_rendezvous_env():
                 # In-process single worker (Python API without a launcher): a private store.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
+                                        timeout=timeout, **bound)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                        **_worker_store(rank, world_size, timeout))
+                                        **bound, **_worker_store(rank, world_size, timeout))
                 admit_peers(dev)  # before any collective: every peer proves the job secret
                 admit = True
-        dmesh = init_device_mesh(dev.type, tuple(sizes[d] for d in cls.DIMS), mesh_dim_names=cls.DIMS)
-        dp_mesh = dmesh["dp_replicate", "dp_shard"]._flatten("dp")
+        collective.register(dist.group.WORLD, dev)
+        shape = tuple(sizes[d] for d in cls.DIMS)
+        dmesh = init_device_mesh(dev.type, shape, mesh_dim_names=cls.DIMS,
+                                 backend_override=_timed(timeout, dict(zip(cls.DIMS, shape))))
+        dp_mesh = _flatten(dmesh, ("dp_replicate", "dp_shard"), "dp", timeout)
         if sizes["cp"] > 1:
-            dmesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-            dmesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            _flatten(dmesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp", timeout)
+            _flatten(dmesh, ("dp_shard", "cp"), "dp_shard_cp", timeout)
         emesh = None
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
         if ep > 1:
@@ -110,14 +120,18 @@ class Mesh:
                 raise ConfigError(f"parallel.ep: {ep} must divide the {dp} data-parallel ranks "
                                   f"and parallel.cp must be 1")
             grid = dmesh.mesh.reshape(sizes["pp"], dp // ep, ep, sizes["tp"])
-            emesh = DeviceMesh(dev.type, grid, mesh_dim_names=("pp", "edp", "ep", "tp"))
+            names = ("pp", "edp", "ep", "tp")
+            timed = _timed(timeout, dict(zip(names, grid.shape))) or {}
+            emesh = DeviceMesh(dev.type, grid, mesh_dim_names=names,
+                               backend_override=tuple((None, timed.get(n)) for n in names))
         sizes = {**sizes, "ep": ep, "edp": dp // ep}
         mesh = cls(rank, world_size, local_rank, dev, backend, dmesh, sizes, dp_mesh, emesh,
-                   _admit=admit)
+                   _admit=admit, _timeout=timeout)
         # Each dim's group has connections of its own, set up through the store: a stranger
         # could pose as a member there, so it is admitted like the default group.
         for dim in (*cls.DIMS, "dp", *(("dp_cp", "dp_shard_cp") if sizes["cp"] > 1 else ()),
                     *(("ep", "edp") if ep > 1 else ())):
+            collective.register(mesh.group(dim), dev)
             if mesh.size(dim) > 1:
                 mesh._admitted(mesh.group(dim))
         return mesh
@@ -198,8 +212,8 @@ class Mesh:
         None on a middle stage. Collective: every rank calls it, once."""
         grid = self.device_mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
         pairs = [[int(a), int(b)] for a, b in zip(grid[0].flatten(), grid[-1].flatten())]
-        mine, _ = dist.new_subgroups_by_enumeration(pairs)
-        return self._admitted(mine)
+        mine, _ = dist.new_subgroups_by_enumeration(pairs, timeout=self._timeout)
+        return self._admitted(collective.register(mine, self.device))
 
     def describe(self) -> str:
         return " x ".join(f"{d}={self.sizes[d]}" for d in self.DIMS if d != "cp" or self.sizes[d] > 1)
@@ -216,23 +230,28 @@ class Mesh:
         if len(dims) == 1:
             return self.group(dims[0])
         name = "model_" + "_".join(dims)
-        return self._admitted(self.device_mesh[dims]._flatten(name).get_group())
+        flat = _flatten(self.device_mesh, dims, name, self._timeout)
+        return self._admitted(collective.register(flat.get_group(), self.device))
 
     def checkpoint_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank for DCP's asynchronous saves, whose collectives run in a
         writer thread: on a group of their own they never interleave with the training
         collectives of the main thread. Collective on first call: every rank calls it alike."""
         if self._ckpt_group is None:
-            self._ckpt_group = self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
+            group = collective.register(dist.new_group(backend="gloo", timeout=self._timeout), "cpu")
+            self._ckpt_group = self._admitted(group, torch.device("cpu"))
         return self._ckpt_group
 
     def cpu_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank for small CPU-side agreements on the main thread (replica
-        mode's quorum, replica/quorum.py): the default group under gloo, a new one under NCCL.
-        Collective on first call under NCCL: every rank calls it alike."""
-        if self.backend == "gloo":
+        mode's quorum, replica/quorum.py): the default group on a CPU mesh, a new one (made once)
+        on a GPU's. Collective on first call there: every rank calls it alike."""
+        if self.device.type == "cpu":
             return dist.group.WORLD
-        return self._admitted(dist.new_group(backend="gloo"), torch.device("cpu"))
+        if self._cpu_group is None:
+            group = collective.register(dist.new_group(backend="gloo", timeout=self._timeout), "cpu")
+            self._cpu_group = self._admitted(group, torch.device("cpu"))
+        return self._cpu_group
 
     def cross_role_group(self, store: dist.Store, rank: int, size: int, timeout_s: float,
                          secret: str | None = None) -> dist.ProcessGroup:
@@ -241,6 +260,7 @@ class Mesh:
         the roles. Not registered with the default group (whose world is one role); admitted,
         under ``secret`` when it spans worlds of their own (admission.admit_peers)."""
         pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        collective.register(pg, "cpu")
         if self._admit:
             admit_peers(torch.device("cpu"), pg, secret=secret)
         return pg
@@ -248,6 +268,42 @@ class Mesh:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _group_options(timeout: datetime.timedelta) -> Any:
+    """Fresh options naming ``timeout`` for a group of the default group's backend (None for a
+    backend whose options are not known here: its groups keep torch's default). Fresh for every
+    dim: NCCL keeps the options object it is given and torch writes each group's ranks into it."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False  # what torch's own default options say
+    else:
+        return None
+    opts._timeout = timeout
+    return opts
+
+
+def _timed(timeout: datetime.timedelta, sizes: dict[str, int]) -> dict[str, Any] | None:
+    """``backend_override`` for a DeviceMesh whose dims have ``sizes``: the job's timeout for
+    every group it makes. torch 2.13 makes a mesh's groups with its default timeout (30 min
+    gloo, 10 min NCCL), not the default group's, unless their options name one
+    (device_mesh.py ``_init_one_process_group``). A dim over every rank is left without: torch
+    reuses the default group for it, which has the timeout already (options would make it a
+    group of its own), except under gloo on a machine with CUDA, where torch makes a new one."""
+    world = dist.get_world_size()
+    new = torch.cuda.is_available() and dist.get_backend() == "gloo"
+    out = {d: _group_options(timeout) for d, n in sizes.items() if n != world or new}
+    return out if out and None not in out.values() else None
+
+
+def _flatten(dmesh: DeviceMesh, dims: tuple[str, ...], name: str,
+             timeout: datetime.timedelta) -> DeviceMesh:
+    """``dmesh[dims]`` flattened into one dim ``name``, its group under the job's timeout."""
+    timed = _timed(timeout, {name: math.prod(dmesh[d].size() for d in dims)})
+    return dmesh[dims]._flatten(name, backend_override=timed[name] if timed else None)
 
 
 def _has_rendezvous_env() -> bool:

@@ -32,6 +32,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from allhands import collective
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 
 
@@ -188,7 +190,7 @@ class Muon(torch.optim.Optimizer):
         flat = torch.tensor([[*o, *s] for o, s in mine], dtype=torch.int64,
                             device=_local(params[0]).device).reshape(len(params), 4)
         got = [torch.empty_like(flat) for _ in range(n)]
-        dist.all_gather(got, flat, group=w)
+        collective.all_gather(got, flat, call="muon plan", group=w)
         metas = [[((int(a), int(b)), (int(c), int(d))) for a, b, c, d in t.tolist()] for t in got]
         for k, p in enumerate(params):  # the distinct pieces must tile the matrix
             keys = {metas[r][k] for r in range(n)}
@@ -269,7 +271,7 @@ def _all_to_all(w, sends: list[list[torch.Tensor]], recv_sizes: list[list[int]],
     flat = [t for ts in sends for t in ts]
     inp = torch.cat(flat) if flat else torch.empty(0, device=dev)
     out = torch.empty(sum(out_splits), device=dev)
-    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=w)
+    collective.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, call="muon exchange", group=w)
     stats["bytes_sent"] += 4 * sum(x for r, x in enumerate(in_splits) if r != dist.get_rank(w))
     res, at = [], 0
     for sizes in recv_sizes:

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from allhands import collective
 from allhands.env import gloo_interface
 from allhands.memory import peak_memory
 from allhands.mesh import Mesh
@@ -54,10 +54,11 @@ class StepLog:
         steps, window_s = self._window
         self._window = [0, 0.0]
         mine = torch.tensor([float(loss_sum), dt, payload, wire, comm_s, exposed_s, sent, window_s,
-                             peak, float(reports_loss), float(stop_signal)], dtype=torch.float64)
+                             peak, float(reports_loss), float(stop_signal)], dtype=torch.float64,
+                            device=collective.device())
         gathered = [torch.empty_like(mine) for _ in range(self.mesh.world_size)]
-        dist.all_gather(gathered, mine)
-        g = torch.stack(gathered)  # (world, 11)
+        collective.all_gather(gathered, mine, call="steplog")
+        g = torch.stack(gathered).cpu()  # (world, 11)
         losses = g[g[:, 9] > 0, 0].tolist()
         times = g[:, 1].tolist()
         per_step = max(steps, 1)

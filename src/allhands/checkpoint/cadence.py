@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from allhands import collective
+
 
 class Cadence:
     """Decides the save steps; fed with each step's time and whether a save was in flight."""
@@ -68,7 +70,7 @@ class Cadence:
         cost = self.stall + sum(max(0.0, s - t) for s in self.busy)
         both = torch.tensor([cost, t], dtype=torch.float64, device=self.device)
         if dist.is_initialized():  # every rank picks the same interval: the slowest rank's figures
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            collective.all_reduce(both, op=collective.MAX, call="checkpoint cadence")
         cost, t = both.tolist()
         self.inputs = {"checkpoint_cost_s": cost, "checkpoint_step_time_s": t}
         multiple = max(1, math.ceil(cost / (self.bound * t * self.base))) if t > 0 else 1

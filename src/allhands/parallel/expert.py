@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from allhands import collective
 from allhands.mesh import Mesh
 from allhands.models.moe import GroupedExperts, MoE, moe_layers
 
@@ -48,7 +49,7 @@ class AllToAll(torch.autograd.Function):
         ctx.recv, ctx.send, ctx.group, ctx.meter = recv, send, group, meter
         t = time.perf_counter()
         out = x.new_empty(sum(recv), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        collective.all_to_all_single(out, x.contiguous(), recv, send, call="expert dispatch", group=group)
         meter.seconds += time.perf_counter() - t
         return out
 
@@ -56,7 +57,8 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         t = time.perf_counter()
         back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        collective.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, call="expert dispatch (backward)",
+                                     group=ctx.group)
         ctx.meter.seconds += time.perf_counter() - t
         return back, None, None, None, None
 
@@ -82,7 +84,8 @@ class Dispatcher:
         local = n // ep
         me = dist.get_rank(self.group)
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # (ep src, local) after view
+        # (ep src, local) after view
+        collective.all_to_all_single(recv_counts, counts, call="expert counts", group=self.group)
         send = counts.view(ep, local).sum(1).tolist()
         by_src = recv_counts.view(ep, local)
         recv = by_src.sum(1).tolist()
@@ -156,7 +159,7 @@ def reduce_expert_grads(parts: list[nn.Module], mesh: Mesh) -> None:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     if mesh.size("edp") > 1:
-        dist.all_reduce(flat, group=mesh.group("edp"))
+        collective.all_reduce(flat, call="reduce_expert_grads", group=mesh.group("edp"))
     flat /= mesh.dp_size
     start = 0
     for g in grads:

@@ -7,9 +7,9 @@ of this rank (mean over ranks), all per step since the last logged one."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from allhands import collective
 from allhands.mesh import Mesh
 from allhands.models.moe import moe_layers
 from allhands.parallel.expert import comm_stats
@@ -27,8 +27,8 @@ def moe_record(parts: list[nn.Module], mesh: Mesh, steps: int) -> dict:
     sent, secs = comm_stats(parts)
     extra = torch.tensor([sent, secs], dtype=torch.float64, device=load.device)
     if mesh.dp_size > 1:
-        dist.all_reduce(load, group=mesh.dp_group)
-        dist.all_reduce(extra, group=mesh.dp_group)
+        collective.all_reduce(load, call="moe_record (loads)", group=mesh.dp_group)
+        collective.all_reduce(extra, call="moe_record (all_to_all)", group=mesh.dp_group)
         extra /= mesh.dp_size
     load = load.cpu() / max(steps, 1)
     out = {"moe_tokens_per_expert_min": float(load.min()), "moe_tokens_per_expert_max": float(load.max()),

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from allhands import collective
 from allhands.config import PSConfig
 from allhands.mesh import Mesh
 from allhands.ps import links as ps_links, rows as ps_rows, wire as w
@@ -194,10 +195,10 @@ class PSSync(ServerMessages, SyncStrategy):
         param, got = self.n_dense + table.index, []
         for s in range(self.roles.n_servers):
             for p in (p for p in self.row_pieces[s] if p.param == param):
-                lo, hi = torch.searchsorted(ids, torch.tensor([p.start, p.stop])).tolist()
+                lo, hi = torch.searchsorted(ids, torch.tensor([p.start, p.stop], device=ids.device)).tolist()
                 if hi == lo:
                     continue
-                buf = torch.empty(hi - lo, table.dim)
+                buf = collective.host_empty((hi - lo, table.dim), torch.float32, pinned=ids.device.type != "cpu")
                 while True:  # parameters are pulled at the next step: this is mid-forward
                     self._request(s, w.request(w.ROWS, self.clock, count=param, rows=hi - lo))
                     self._send(ids[lo:hi].contiguous(), s, w.TAG_IDS)
@@ -206,7 +207,7 @@ class PSSync(ServerMessages, SyncStrategy):
                     self._recover(pull=False)
                 got.append(buf)
         self.comm.blocking(time.perf_counter() - t0)
-        return torch.cat(got) if got else torch.empty(0, table.dim)
+        return (torch.cat(got) if got else torch.empty(0, table.dim)).to(ids.device)  # the rows' device: the ids'
 
     def _recover(self, pull: bool = True) -> None:
         """Relink to each restarted server (replica mode: its world restarted alone and restores

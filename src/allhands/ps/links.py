@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from allhands import collective
 from allhands.mesh import Mesh
 from allhands.ps import wire as w
 
@@ -96,7 +97,7 @@ class AnySource:
 
     def next(self, done: set[int]) -> tuple[int, torch.Tensor | None] | None:
         hdr = torch.empty(w.REQ_LEN, dtype=torch.float64)
-        work = self.pg.recv_anysource([hdr], w.TAG_REQ)
+        work = collective.recv(hdr, None, call="parameter server", group=self.pg, tag=w.TAG_REQ)
         work.wait()
         return work.source_rank(), hdr
 
@@ -170,7 +171,7 @@ class Hub:
         while True:
             hdr = torch.empty(w.REQ_LEN, dtype=torch.float64)
             try:
-                pg.recv([hdr], 0, w.TAG_REQ).wait()
+                collective.recv(hdr, 0, call="parameter server", group=pg, tag=w.TAG_REQ).wait()
             except RuntimeError:  # the worker died (or finished and closed its side)
                 self.queue.put((k, life, None, None))
                 return

@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from allhands import collective
 from allhands.ps import wire as w
 
 
@@ -86,7 +87,7 @@ class ServerMessages:
             ids, vals = [], []
             for p in self.row_pieces[s]:
                 i, g = rows[p.param - self.n_dense]
-                lo, hi = torch.searchsorted(i, torch.tensor([p.start, p.stop])).tolist()
+                lo, hi = torch.searchsorted(i, torch.tensor([p.start, p.stop], device=i.device)).tolist()
                 ids.append(i[lo:hi])
                 vals.append(g[lo:hi].reshape(-1))
             counts = torch.tensor([len(i) for i in ids], dtype=torch.int64)
@@ -102,7 +103,9 @@ class ServerMessages:
         """Post the receive of server ``s``'s reply (and parameters) now; ``_receive`` waits."""
         rep = torch.empty(w.REP_LEN, dtype=torch.float64)
         works = [self._io(self.wire.recv, rep, s, w.TAG_REP)]
-        buf = torch.empty(sum(p.numel for p in self.mine[s])) if with_params else torch.empty(0)
+        # the parameters arrive on the host (gloo), pinned for their copy to a GPU's replica
+        buf = collective.host_empty(sum(p.numel for p in self.mine[s]) if with_params else 0, torch.float32,
+                                    pinned=bool(self.params) and self.params[0].device.type != "cpu")
         if buf.numel():
             works.append(self._io(self.wire.recv, buf, s, w.TAG_PARAM))
         self._pending.append((s, rep, buf, works))

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from allhands import collective
 from allhands.config import Config
 from allhands.faults import FaultInjector
 from allhands.ps import links as ps_links, rows as ps_rows, wire as w
@@ -286,7 +286,8 @@ class Server:
         sq = torch.nn.utils.get_total_norm(list(total.split([p.numel() for p in self.pieces])) +
                                            [g for _, g in rows.values()]) ** 2
         if self.roles.n_servers > 1:
-            dist.all_reduce(sq)  # the norm of the whole averaged gradient, over every server's shard
+            # the norm of the whole averaged gradient, over every server's shard
+            collective.all_reduce(sq, call="parameter server norm")
         self._update(total, rows, lr, float(sq.sqrt()))
 
     @torch.no_grad()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from allhands import collective
 from allhands.authstore import sealed
 from allhands.env import ps_env
 
@@ -138,16 +139,18 @@ def link_failed(e: Exception) -> bool:
 
 class Wire:
     """Point-to-point tensors to the other role, by the peer's index (a server's, or a worker's):
-    ``links[peer] = (group, the peer's rank in it)``."""
+    ``links[peer] = (group, the peer's rank in it)``. The groups are gloo's, for host tensors:
+    a GPU worker's tensor is sent from a pinned host copy, which the work holds until it is
+    done; receives are into host buffers, copied to the device by their reader."""
 
     def __init__(self, links: dict[int, tuple[Any, int]] | None = None):
         self.links = dict(links or {})
 
     def send(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
         pg, rank = self.links[peer]
-        return pg.send([t], rank, tag)
+        return collective.send(collective.to_host(t), rank, call="parameter server", group=pg, tag=tag)
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
         pg, rank = self.links[peer]
-        return pg.recv([t], rank, tag)
+        return collective.recv(t, rank, call="parameter server", group=pg, tag=tag)
 

@@ -30,18 +30,16 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from allhands import collective
 from allhands.hooks import LoopHooks
 from allhands.memory import local
 from allhands.replica.quorum import Quorum, ReplicaQuorum
 
 
 def _bcast(pg: dist.ProcessGroup, tensors: list[torch.Tensor], src: int) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
     for t in tensors:
-        pg.broadcast([t], opts).wait()
+        collective.broadcast(t, call="replica heal", group=pg, group_src=src)
 
 
 _BUCKET_BYTES = 32 << 20  # at most this much state is copied into one flat buffer at a time
@@ -51,16 +49,24 @@ def _bcast_coalesced(pg: dist.ProcessGroup, tensors: list[torch.Tensor], src: in
     """Broadcast ``tensors`` from ``src`` in place, as flat buckets of one dtype each instead of one
     collective per tensor: a heal moves about three tensors per parameter, and each collective
     costs a round trip (on a slow link, its latency). The buckets are cut alike on every member,
-    since every member's tensors have the source's shapes and dtypes (the layout)."""
+    since every member's tensors have the source's shapes and dtypes (the layout). A bucket is a
+    host buffer (the quorum's group is gloo), pinned where it meets a GPU's tensors, whose
+    pieces may live on different devices (AdamW's ``step`` stays on the host), and where each
+    one does is not part of the layout: a fresh member's may differ from the source's."""
     bucket: list[torch.Tensor] = []
     size = 0
     for t in [*tensors, None]:
         if bucket and (t is None or t.dtype != bucket[0].dtype or size + t.numel() * t.element_size() > _BUCKET_BYTES):
-            flat = _flatten_dense_tensors(bucket)
+            numels = [b.numel() for b in bucket]
+            flat = collective.host_empty(sum(numels), bucket[0].dtype,
+                                         pinned=any(b.device.type != "cpu" for b in bucket))
+            if me == src:
+                for piece, b in zip(flat.split(numels), bucket):
+                    piece.copy_(b.reshape(-1))
             _bcast(pg, [flat], src)
             if me != src:
-                for dst, got in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    dst.copy_(got)
+                for piece, b in zip(flat.split(numels), bucket):
+                    b.copy_(piece.view_as(b))
             bucket, size = [], 0
         if t is not None:
             bucket.append(t)

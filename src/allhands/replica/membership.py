@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from allhands import collective
+
 
 def shared_token(local: dist.ProcessGroup | None) -> str:
     """A fresh incarnation token, local rank 0's for every rank of ``local`` (a group's own world)."""
     token = torch.frombuffer(bytearray(secrets.token_hex(6).encode()), dtype=torch.uint8)
     if local is not None:
-        local.broadcast([token]).wait()  # root: local rank 0
+        collective.broadcast(token, call="replica incarnation", group=local, group_src=0)
     return bytes(token.numpy()).decode()
 
 

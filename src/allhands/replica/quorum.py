@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from allhands import collective
 from allhands.admission import admit_peers
 from allhands.replica.membership import Quorum, QuorumFinished, QuorumStopped, shared_token
 from allhands.stopflag import FLAG
@@ -249,6 +250,7 @@ class ReplicaQuorum:
             pg = dist.ProcessGroupGloo(prefix, rank, size, opts)
         else:
             pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        collective.register(pg, "cpu")
         if self.secret:
             admit_peers(torch.device("cpu"), pg, secret=self.secret)
         return pg
@@ -263,10 +265,14 @@ class ReplicaQuorum:
         stopping = bool(FLAG.signum) or self.store.check(["stop"])
         if FLAG.signum:  # a signal that reached this group: the first one is the job's
             self.store.compare_set("stop", "", str(FLAG.signum))
-        joiners = torch.tensor([float(self.store.add("joiners", 0)), float(stopping)])
+        # The counters ride at the end of the gradients' buffer, on their device; a GPU's buffer
+        # crosses the gloo group through a pinned host copy (the host buffer on the CPU itself).
+        dev = grads[0].device if grads else torch.device("cpu")
+        joiners = torch.tensor([float(self.store.add("joiners", 0)), float(stopping)], device=dev)
         flat = _flatten_dense_tensors([g.detach().float() for g in grads] + [joiners])
+        host = collective.to_host(flat)
         try:
-            self.pg.allreduce([flat]).wait()
+            collective.all_reduce(host, call="replica quorum", group=self.pg)
             ok = True
         except RuntimeError:  # gloo: a peer closed the connection (it died) or timed out
             ok = False
@@ -274,17 +280,16 @@ class ReplicaQuorum:
         if decision != b"commit":
             self.reform = True
             return False
-        *reduced, total = _unflatten_dense_tensors(flat, [g.float() for g in grads] + [joiners])
+        if host is not flat:
+            flat.copy_(host)
+        *reduced, _ = _unflatten_dense_tensors(flat, [g.float() for g in grads] + [joiners])
         for g, r in zip(grads, reduced):
             g.copy_(r)
         # Every member summed the same counters: all of them re-form after this step, or none.
         # The ranks of one group read the counters at different moments: they take the largest.
-        seen = total.clone()
+        total = host[-2:].clone()
         if self.local is not None:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX
-            self.local.allreduce([seen], opts).wait()
-        total = seen
+            collective.all_reduce(total, op=collective.MAX, call="replica quorum (counters)", group=self.local)
         if float(total[0]) > len(q.members) * q.joiners:
             self.reform = True
         if float(total[1]) > 0:  # some member saw the stop, which it stored before reducing

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from allhands import collective
 from allhands.sync.comm import ring_allreduce_bytes
 
 PROBE_BYTES = 2 * 1024 * 1024
@@ -25,14 +26,14 @@ def measure_bus_bandwidth(group: dist.ProcessGroup, device: torch.device, reps: 
     """Bytes per second of a ring all-reduce over ``group`` (the slowest rank's view)."""
     n = group.size()
     probe = torch.ones(PROBE_BYTES // 4, device=device)
-    dist.all_reduce(probe, group=group)  # warm-up: connections, allocations
+    collective.all_reduce(probe, call="sync=auto probe", group=group)  # warm-up: connections, allocations
     t0 = time.perf_counter()
     for _ in range(reps):
-        dist.all_reduce(probe, group=group)
+        collective.all_reduce(probe, call="sync=auto probe", group=group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    collective.all_reduce(elapsed, op=collective.MAX, call="sync=auto probe", group=group)
     return ring_allreduce_bytes(PROBE_BYTES, n) / max(float(elapsed), 1e-9)
 
 

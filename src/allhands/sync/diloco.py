@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from allhands import collective
 from allhands.mesh import Mesh
 from allhands.sync.base import SyncStrategy
 
@@ -127,7 +128,7 @@ class DiLoCoSync(SyncStrategy):
             # this rank's shards: its replicate group holds the same slices.
             shards = [_local(p) for p in self.params]
             flat = torch.cat([t.detach().reshape(-1).float() for t in shards])
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            collective.broadcast(flat, call="diloco start", group=self.group, group_src=0)
             for t, v in zip(shards, flat.split([t.numel() for t in shards])):
                 t.copy_(v.view_as(t))
             # fp32 anchors whatever the parameter dtype: the outer update is a small difference.
@@ -165,7 +166,7 @@ class DiLoCoSync(SyncStrategy):
         flat = torch.cat([g.reshape(-1).float() for g in grads]) / self.n  # (sum local numel,) fp32
         t0 = time.perf_counter()
         self.comm.collective("all_reduce", flat.numel() * 4, self.n)
-        dist.all_reduce(flat, group=self.group)
+        collective.all_reduce(flat, call="diloco warm-up", group=self.group)
         self.comm.blocking(time.perf_counter() - t0)
         for g, avg in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(avg.view_as(g))
@@ -219,7 +220,7 @@ class DiLoCoSync(SyncStrategy):
         dtype = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.compress]
         buf = (x / n).to(dtype)  # divide first: a half-precision sum of N terms cannot overflow
         self.comm.collective("all_reduce", buf.numel() * buf.element_size(), n)
-        dist.all_reduce(buf, group=self.group)
+        collective.all_reduce(buf, call="diloco outer", group=self.group)
         return buf.float()
 
     def _average_int8(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,8 +232,8 @@ class DiLoCoSync(SyncStrategy):
         self.comm.collective("all_gather", codes.numel() + scale.numel() * 4, n)
         all_codes = [torch.empty_like(codes) for _ in range(n)]
         all_scales = [torch.empty_like(scale) for _ in range(n)]
-        dist.all_gather(all_codes, codes, group=self.group)
-        dist.all_gather(all_scales, scale, group=self.group)
+        collective.all_gather(all_codes, codes, call="diloco outer (int8)", group=self.group)
+        collective.all_gather(all_scales, scale, call="diloco outer (int8)", group=self.group)
         total = torch.zeros_like(chunks)
         for c, s in zip(all_codes, all_scales):  # same order on every rank: identical results
             total += c.float() * s[:, None]
