@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from allhands.config import Config
 from allhands.muon import Muon, muon_matrices
@@ -30,8 +31,8 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config,
     for p in model.parameters():
         if p.requires_grad:
             (hidden if id(p) in matrices else decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = by_mesh([{"params": decay, "weight_decay": o.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}])
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr)
     if o.name == "muon":
@@ -40,6 +41,32 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config,
                     ns_dtype=o.muon_ns_dtype, spread=o.muon_spread, betas=(o.beta1, o.beta2),
                     eps=o.eps, world=world)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def by_mesh(groups: list[dict]) -> list[dict]:
+    """``groups`` split so that each holds one kind of tensor: plain, or DTensors of one mesh.
+
+    torch's optimizers step a group with foreach kernels, their default on CUDA, and one foreach
+    call over plain tensors and DTensors raises ("_foreach_mul_ got mixed torch.Tensor and
+    DTensor"). Expert parallelism mixes them: replicated dense parameters beside experts sharded
+    over the ep mesh. Groups of one kind are returned as they are, empty ones included; split
+    ones keep their hyper-parameters and drop their empty parts (DCP's flat-key loader indexes
+    each group's first parameter). Checkpoints key optimizer state and hyper-parameters by
+    parameter name (checkpoint/state.py), so they load under either grouping."""
+    if len({_mesh(p) for g in groups for p in g["params"]}) <= 1:
+        return groups
+    out = []
+    for g in groups:
+        parts: dict = {}
+        for p in g["params"]:
+            parts.setdefault(_mesh(p), []).append(p)
+        out += [{**g, "params": ps} for ps in parts.values()]
+    return out
+
+
+def _mesh(p: torch.Tensor):
+    """A DTensor's device mesh, None for a plain tensor."""
+    return p.device_mesh if isinstance(p, DTensor) else None
 
 
 class OptimizerParts(torch.optim.Optimizer):

@@ -28,10 +28,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from allhands import collective
 from allhands.checkpoint.catalog import FORMAT_VERSION, META_NAME, committed
 from allhands.checkpoint.manifest import verify_manifest, write_manifest
 from allhands.checkpoint.safe import SafeFileSystemReader, checkpoint_error_from
-from allhands.checkpoint.saver import Pending, Saver
+from allhands.checkpoint.saver import Pending, Saver, stage_after_compute
 from allhands.checkpoint.writer import Writer, save_planner
 from allhands.errors import CheckpointError, first_line
 from allhands.safefs import write_private
@@ -149,6 +150,7 @@ class Checkpointer:
         # Last: the copy's thread takes the GIL once woken, so nothing of this call is left to
         # wait behind it; the copy overlaps the next forward/backward.
         try:
+            stage_after_compute(self._stager)
             self._stager.stage(snapshot).add_done_callback(lambda f, c=pending.copy: _chain(f, c))
         except BaseException as e:  # the write thread fails the save with it
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -168,7 +170,8 @@ class Checkpointer:
         model and optimizer state overlaps the next forward/backward, and ``before_update``
         waits for it before the optimizer may change them. The one-in-flight rule (``save``
         waits for the previous save first) keeps a save from restaging into buffers the
-        previous one is still writing."""
+        previous one is still writing. On an accelerator it copies on a stream of its own, which
+        ``save`` orders after the compute stream (saver.py ``stage_after_compute``)."""
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -366,10 +369,8 @@ def _agree(ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (one all_reduce; also a barrier)."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=collective.device())
+    collective.all_reduce(flag, op=collective.MAX, call="checkpoint agreement")
     return int(flag.item()) == 0
 
 

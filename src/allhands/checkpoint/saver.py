@@ -8,7 +8,8 @@ Why not ``dcp.async_save``: on the training thread it starts a fresh upload thre
 that was 1-10 ms of a 38 MiB save's stall here, 1/9 of a blocking save (BENCHMARKS.md). The
 threads below start once, so a save's stall is taking the state dicts and two queue puts.
 Niceness: the copy runs at the training thread's priority (the next optimizer step waits for
-it); the write thread is moved to ``WRITER_NICE`` by ``Writer.reset``.
+it); the write thread is moved to ``WRITER_NICE`` by ``Writer.reset``. On an accelerator the copy
+runs on the stager's own stream, ordered after the compute stream by :func:`stage_after_compute`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from allhands.checkpoint.writer import Writer
+
+
+def stage_after_compute(stager: Any) -> None:
+    """Queue, on the stager's copy stream, a wait for the work queued so far on the compute
+    stream; call it on the training thread right before handing the state to ``stager``.
+
+    DCP's ``DefaultStager`` copies device tensors to host memory on a stream of its own (torch
+    2.13 ``checkpoint/staging.py``, ``_staging_stream``) and does not wait for the kernels the
+    training thread queued before: the optimizer step whose parameters are saved may still be
+    running, and the copy would read them half-updated (a torn checkpoint that only a host sync,
+    such as a logged loss, happened to prevent). ``wait_stream`` records an event on the compute
+    stream and makes the copy stream wait for it on the device, so the host does not block; the
+    stager's thread queues its copies after that wait. Without a stream (CPU, or no accelerator)
+    the copies are host copies made in program order: nothing to do."""
+    stream = getattr(stager, "_staging_stream", None)
+    if stream is not None:
+        stream.wait_stream(torch.accelerator.current_stream(stream.device))
+    elif not hasattr(stager, "_staging_stream") and torch.accelerator.is_available():
+        torch.accelerator.synchronize()  # a torch whose stager keeps its stream elsewhere: block
 
 
 @dataclass

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from allhands import collective
 from allhands.models.layers import SwiGLU
 
 
@@ -87,15 +88,33 @@ class MoEArgs:
             raise ValueError(f"balance {self.balance!r}: allowed aux, bias, none")
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast gives ``x``'s GEMMs, None outside autocast.
+
+    The experts cast to it themselves: autocast casts only the ops it lists, and neither
+    ``_grouped_mm`` nor the gathers and scatters around it are among them. Under ZeRO-0/1
+    (autocast over fp32 parameters) the rows and the expert weights would reach
+    :func:`grouped_mm` in fp32 and take the padded fallback, where FSDP's bf16 parameters
+    (ZeRO-2/3) take the grouped kernel."""
+    t = x.device.type
+    return torch.get_autocast_dtype(t) if torch.is_autocast_enabled(t) else None
+
+
+def takes_grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`grouped_mm` runs ``torch._grouped_mm``: on CUDA in bf16 (Hopper and
+    later) with 16-byte aligned rows. On CPU (torch 2.13) ``_grouped_mm`` runs forward in fp32
+    but its backward fails ("Invalid strides"), so the CPU takes the fallback."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0 and hasattr(torch, "_grouped_mm"))
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x`` ``(M, in)`` rows sorted by group, ``counts`` ``(G,)`` rows per group, ``w``
     ``(G, out, in)``: row ``i`` of group ``g`` times ``w[g].T``, ``(M, out)``.
 
-    ``torch._grouped_mm`` on CUDA in bf16 (one kernel, Hopper and later; it needs 16-byte aligned
-    strides); elsewhere :func:`padded_mm`. On CPU (torch 2.13) ``_grouped_mm`` runs forward in
-    fp32 but its backward fails ("Invalid strides"), so the CPU takes the fallback."""
-    if (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0 and hasattr(torch, "_grouped_mm")):
+    One ``torch._grouped_mm`` kernel where :func:`takes_grouped_kernel`, without a host sync
+    (the group offsets stay on the device); elsewhere :func:`padded_mm`."""
+    if takes_grouped_kernel(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     return padded_mm(x, w, counts)
@@ -144,8 +163,12 @@ class GroupedExperts(nn.Module):
         return tuple(local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(M, dim)`` sorted by local expert, ``counts`` ``(n_local,)`` -> ``(M, dim)``."""
+        """``x`` ``(M, dim)`` sorted by local expert, ``counts`` ``(n_local,)`` -> ``(M, dim)``,
+        in autocast's dtype where autocast is on (see :func:`compute_dtype`)."""
         g, u, d = self.local_weights()
+        dtype = compute_dtype(x)
+        if dtype is not None:
+            x, g, u, d = (t.to(dtype) for t in (x, g, u, d))
         h = F.silu(grouped_mm(x, g, counts)) * grouped_mm(x, u, counts)
         return grouped_mm(h, d, counts)
 
@@ -225,14 +248,20 @@ class MoE(nn.Module):
         k = idx.shape[1]
         pairs = idx.reshape(-1)  # (N k,) expert of each (token, choice) pair
         order = torch.argsort(pairs, stable=True)  # pairs grouped by expert, tokens in order
-        counts = torch.bincount(pairs, minlength=self.a.n_experts)
+        # not bincount: on CUDA it reads the max of its input on the host
+        counts = torch.zeros(self.a.n_experts, dtype=torch.long, device=pairs.device)
+        counts = counts.scatter_add_(0, pairs, torch.ones_like(pairs))
         token = order // k
         rows = flat[token]
+        dtype = compute_dtype(rows)
+        if dtype is not None:  # the dispatch under ep sends the rows in the dtype they compute in
+            rows = rows.to(dtype)
         if self.dispatcher is None:
             ys = self.experts(rows, counts)
         else:
             ys = self.dispatcher(rows, counts, self.experts)
-        ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
+        # back in the residual stream's dtype: fp32 under autocast, which index_add does not cast
+        ys = ys.to(flat.dtype) * weights.reshape(-1)[order].unsqueeze(1).to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token, ys)
         if self.shared is not None:
             s = swiglu(self.shared, flat)
@@ -272,7 +301,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
         return
     loads = torch.stack([m.load for m in layers]).double()
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
+        collective.all_reduce(loads, call="update_expert_bias", group=group)
     for m, load in zip(layers, loads):
         step = m.a.bias_rate * torch.sign(load.mean() - load)
         m.router.expert_bias += step.to(m.router.expert_bias)
