@@ -1,7 +1,8 @@
 """run.compile: each block compiled in place (after TP and AC, before DDP/FSDP; each pipeline
 stage's own blocks) trains to the single-process eager reference's parameters and keeps the
-parameter names, under DDP, tp=2 and pp=2; the workers really compiled the blocks (inductor's
-generated code for a block's forward and backward is in the job's own compile cache).
+parameter names, under DDP, tp=2 and pp=2; the workers really compiled the blocks (rank 0's
+record of the first step counts the graphs, compiled or read from the inductor cache the tests
+share, whose generated code holds a block's forward and backward).
 
 Parity tolerance 1e-5 relative, as for eager layouts: under plain SGD the update is linear in the
 gradient, so inductor's fused C++ kernels, which reorder float32 sums (layer norm, softmax, bias
@@ -11,7 +12,9 @@ entries, become lr-relative differences of up to 1e-4."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -19,22 +22,38 @@ from allhands.config import validate
 from allhands.launch.launcher import LaunchSpec, train_job
 
 from conftest import tiny_config
+from isolation import shared_once
 from test_parity import assert_matches_reference
 
 SGD = ["optim.name=sgd", "optim.lr=0.5", "run.steps=3"]
 
 
-def _train_compiled(token_dir, tmp_path, monkeypatch, *layout: str) -> tuple:
-    """Train with run.compile on 2 workers whose inductor cache is a directory of this test's
-    own (the launcher keeps a TORCHINDUCTOR_CACHE_DIR it is given; a warm shared cache would be
-    read, not written); returns the finished config and the Python inductor generated for each
-    graph it compiled."""
-    cache = tmp_path / "inductor"
+@pytest.fixture
+def inductor_cache(tmp_path_factory, monkeypatch) -> Path:
+    """One inductor cache for every compile test of the run, as the launcher keeps one for a
+    user's jobs (it keeps a TORCHINDUCTOR_CACHE_DIR it is given): a job reads what an earlier one
+    compiled, which the record of the first step shows."""
+    cache = Path(shared_once(tmp_path_factory, "inductor", str))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    return cache
+
+
+def _train_compiled(token_dir, tmp_path, cache: Path, *layout: str) -> tuple:
+    """Train with run.compile on 2 workers; returns the finished config and the Python inductor
+    generated for the graphs in the shared cache. Rank 0's record of the first step says how
+    many graphs this job compiled and that each inductor graph was compiled or read from that
+    cache: the job really ran compiled blocks, whichever test first compiled them."""
     cfg = tiny_config(token_dir, tmp_path / "run", "run.compile=true", *SGD, *layout)
     if layout:
         validate(cfg, world_size=2)
     done = train_job(cfg, LaunchSpec(nproc=2))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    first = next(r for r in records if "compile_graphs" in r)
+    blocks_on_rank_0 = 1 if "parallel.pp=2" in layout else 2
+    assert first["step"] == 1 and first["compile_graphs"] >= blocks_on_rank_0, first
+    # at least a forward and a backward graph went through inductor, compiled now or read from
+    # the cache (blocks alike in code and shapes may share one compiled graph within a process)
+    assert first["compile_cache_hits"] + first["compile_cache_misses"] >= 2, first
     return done, [p.read_text() for p in cache.glob("*/*.py")]
 
 
@@ -47,8 +66,8 @@ def _assert_blocks_compiled(graphs: list[str], label: str) -> None:
         f"{label}: no compiled block backward among {len(graphs)} graphs"
 
 
-def test_compiled_ddp_matches_eager_reference(token_dir, tmp_path, monkeypatch):
-    done, graphs = _train_compiled(token_dir, tmp_path, monkeypatch)
+def test_compiled_ddp_matches_eager_reference(token_dir, tmp_path, inductor_cache):
+    done, graphs = _train_compiled(token_dir, tmp_path, inductor_cache)
     _assert_blocks_compiled(graphs, "DDP")
     assert_matches_reference(done, "compiled blocks under DDP")
 
@@ -62,8 +81,8 @@ COMPILED_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(COMPILED_LAYOUTS))
-def test_compiled_tp_and_pp_match_eager_reference(token_dir, tmp_path, monkeypatch, layout):
-    done, graphs = _train_compiled(token_dir, tmp_path, monkeypatch, *COMPILED_LAYOUTS[layout])
+def test_compiled_tp_and_pp_match_eager_reference(token_dir, tmp_path, inductor_cache, layout):
+    done, graphs = _train_compiled(token_dir, tmp_path, inductor_cache, *COMPILED_LAYOUTS[layout])
     _assert_blocks_compiled(graphs, layout)
     if layout == "tp2":  # sequence parallel's all-gathers and reduce-scatters are in the graph
         assert any("all_gather" in g and "reduce_scatter" in g for g in graphs), layout

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from allhands.agree import StepAgreement
-from allhands.checkpoint import (Cadence, Checkpointer, RNGState, TrainState, builds_on_meta,
-                                 load_weights, seed_rank, sharded_loader)
+from allhands.checkpoint import (Cadence, Checkpointer, RNGState, TrainState, load_weights,
+                                 seed_rank, sharded_loader)
 from allhands.config import Config
 from allhands.data.sampler import collate
 from allhands.errors import CheckpointError
@@ -33,8 +33,10 @@ from allhands.jobcheck import checked_data, checked_loss, checked_model, sampler
 from allhands.data.examples import valid_targets
 from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, default_loss
 from allhands.mesh import Mesh
+from allhands.models.init import InitRecord, materializer
 from allhands.metrics import MetricsWriter, slow_phase
 from allhands.optim import lr_lambda
+from allhands.parallel.compiled import compile_line, compile_record
 from allhands.parallel.layout import build_layout
 from allhands.parallel.moe_metrics import moe_record
 from allhands.plan.decoder import flops_per_sample
@@ -61,24 +63,28 @@ class Trainer(RunCheckpoints):
         self.train_ds, self.val_ds = checked_data(self.train_ds, self.val_ds, r.global_batch)
         # Same seed on every rank for initialisation; DDP also broadcasts rank 0's weights.
         torch.manual_seed(r.seed)
-        # a transformers directory fills each rank's cut of the model by slice, after
-        # parallelize (build_layout's load); under FSDP the model is built on the meta device
-        # first, so no rank holds all of it; other weights go whole into the plain module
-        meta = builds_on_meta(cfg, job.model is not None)
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
-        raw = checked_model(raw) if meta else checked_model(raw).to(mesh.device)
+        # A shipped family is built on the meta device and each rank allocates only its cut
+        # (build_layout's load): the constructor's draws replayed from this seed (models/init.py)
+        # or read by slice from a transformers directory. A user's model, or weights that
+        # load_weights reads whole, go into the plain module.
         init = cfg.checkpoint.init_from
         load_cut = sharded_loader(init, mesh.device) if init else None
+        meta = job.model is None and (not init or load_cut is not None)
+        record = InitRecord() if meta else contextlib.nullcontext()
+        with torch.device("meta") if meta else contextlib.nullcontext(), record:
+            raw = job.model(cfg) if job.model is not None else build_reference_model(cfg, vocab)
+        raw = checked_model(raw) if meta else checked_model(raw).to(mesh.device)
         if init and load_cut is None:
             load_weights(raw, init)
+        if meta and load_cut is None:
+            load_cut = materializer(raw, record, mesh.device)
         seed_rank(r.seed, mesh.rank)
         self.loss_fn = checked_loss(job.loss) if job.loss else default_loss(self.train_ds)
         self.strategy, self.sync_note = sync(cfg, mesh, raw)
         # Every layout decision (model split, TP, AC, FSDP/DDP, optimizer sharding, where bf16
         # comes from) is made here, once; the loop below runs whatever it built.
         self.layout = build_layout(cfg, mesh, raw, self.strategy, self.loss_fn, job.tp_plan, load=load_cut)
-        del raw  # when the layout split it, the unsplit copy is not trained; free it
+        del raw  # the layout's parts hold what this rank trains
         self.parts, self.model = self.layout.parts, self.layout.model
         self.raw_model = self.parts[0]  # parallelized in place: its parameters are the trained ones
         self.optimizer = self.layout.optimizer
@@ -111,7 +117,8 @@ class Trainer(RunCheckpoints):
             loss_fn=self.loss_fn, global_batch=r.global_batch, device=mesh.device,
             bf16=prec.autocast or prec.param_dtype == torch.bfloat16, threads=torch.get_num_threads(),
             devices=mesh.world_size, leader=mesh.node_local_rank == 0, barrier=dist.barrier,
-            formula=None if job.model else functools.partial(flops_per_sample, cfg.model, cfg.moe, vocab))
+            formula=None if job.model else functools.partial(flops_per_sample, cfg.model, cfg.moe, vocab),
+            peak_tflops=cfg.log.peak_tflops)
         self.flops: StepFlops | None = None
         self.saved_step = -1  # the step of this process's last save, alike on every rank
         self.stop_signal = 0  # a stop signal every rank has agreed on (stopflag.py)
@@ -245,6 +252,10 @@ class Trainer(RunCheckpoints):
                 dt = time.perf_counter() - t0
                 if ts.step == first_step:  # builds caches, buckets and compiled graphs
                     metrics.message(slow_phase("the first step", dt))
+                    if cfg.run.compile:
+                        compiled = compile_record()
+                        metrics.message(compile_line(compiled))
+                        metrics.log({"step": ts.step, **compiled})
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
                 logged = ts.step % cfg.log.interval == 0 or last

@@ -12,7 +12,7 @@ checkpoint loads under every layout:
   heads or on the local ``n_head / tp``.
 - Pipeline parallel: ``blocks`` is a ``ModuleDict`` keyed ``"0"``, ``"1"``, ... (the same
   state-dict keys as a ``ModuleList``) and ``forward`` skips parts that are absent, so a stage
-  is a deep copy with the other stages' modules deleted (torchtitan's manual split) and its
+  is the model with the other stages' modules deleted (torchtitan's manual split) and its
   keys are a subset of the full model's. A stage's input is the previous stage's hidden state
   ``(B, T, C)``; only the first stage takes token ids.
 """

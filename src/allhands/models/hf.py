@@ -22,15 +22,12 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
-# DCP's own helper for where a DTensor's local block sits in the global tensor (it handles
-# uneven FSDP shards); torch has no public equivalent.
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from allhands.errors import CheckpointError, ConfigError
 from allhands.models import gpt_hf, llama_hf, moe_hf
 from allhands.models.build import build_model
 from allhands.models.gpt import GPT, GPTConfig
+from allhands.models.init import local_block
 from allhands.models.llama import Llama, LlamaConfig
 
 CONFIG = "config.json"
@@ -161,14 +158,6 @@ class HFReader:
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
            "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
-    """(the tensor this rank holds, its slice of the global tensor or None when it is whole)."""
-    if not isinstance(t, DTensor):
-        return t, None
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def _fit_error(path: Path, missing: list[str], shapes: list[tuple[str, tuple, tuple]]) -> CheckpointError:

@@ -109,7 +109,8 @@ class Llama(nn.Module):
         self.init_weights()
 
     def init_buffers(self) -> None:
-        """(Re)compute the RoPE table, e.g. after building on the meta device and ``to_empty``."""
+        """(Re)compute the RoPE table and zero the MoE counts, e.g. after building on the meta
+        device and ``to_empty``."""
         c = self.cfg
         inv = rope_frequencies(c.hd, c.rope_theta, c.rope_scaling, c.rope_factor,
                                c.rope_low_freq_factor, c.rope_high_freq_factor,
@@ -120,6 +121,7 @@ class Llama(nn.Module):
             if isinstance(m, MoE):  # the balancing bias starts at zero; a checkpoint may load it
                 m.router.expert_bias.zero_()
                 m.load.zero_()
+                m.tokens.zero_()
 
     def init_weights(self) -> None:
         """Normal(0, 0.02) matrices, zero biases, unit norms; residual outputs (o_proj,

@@ -183,11 +183,11 @@ class Layout:
 def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrategy,
                  loss_fn: LossFn, tp_plan: Any = None,
                  load: Callable[[nn.Module], Any] | None = None) -> Layout:
-    """Cut ``model`` (whole, on ``mesh.device``, initialised alike on every rank) for this rank
-    and build its optimizer. Under pp the unsplit ``model`` is not trained; the caller drops it.
-    ``load(part)``: fills each cut part's weights (this rank's stage, its DTensor shards) after
-    parallelize and before the strategy wraps it, so a strategy's snapshot (DiLoCo's anchor)
-    holds the loaded weights."""
+    """Cut ``model`` for this rank and build its optimizer. ``model`` is whole: on the meta
+    device, or on ``mesh.device`` initialised alike on every rank; under pp it becomes this
+    rank's last stage. ``load(part)``: allocates and fills each cut part (this rank's stage, its
+    DTensor shards), inside parallelize (after FSDP, before DDP) and before the strategy wraps
+    it, so a strategy's snapshot (DiLoCo's anchor) holds the loaded weights."""
     p = cfg.parallel
     prec = choose_precision(cfg.run.precision, mesh.device.type, p.zero, p.reduce_dtype)
     pipeline = None
@@ -206,9 +206,8 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
                           param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
                           replicate=not strategy.reconciles_replicas,
                           sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
-                          pipeline_stage=pipeline is not None, compile=cfg.run.compile)
-        if load is not None:
-            load(part)  # parallelized in place: its parameters are this rank's (DTensor) shards
+                          pipeline_stage=pipeline is not None, compile=cfg.run.compile,
+                          materialize=load)
         return strategy.wrap(out, mesh)
 
     wrapped = [cut(part) for part in parts]
@@ -227,5 +226,7 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
                         for part in parts])
     if p.zero == 1:
         optimizer = apply_zero1(optimizer, mesh)
+    if mesh.device.type == "cuda":  # the logged peak is the training's, not the start-up's
+        torch.cuda.reset_peak_memory_stats(mesh.device)
     return Layout(parts, wrapped[0] if len(wrapped) == 1 else wrapped, optimizer, mesh, loss_fn,
                   p.zero, prec, pipeline, cp)

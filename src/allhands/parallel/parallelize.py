@@ -13,7 +13,7 @@ before all of them, on each stage's module. ZeRO-1 is an optimizer wrapper
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -44,7 +44,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                 bucket_mb: float = 25.0, replicate: bool = True, sequence_parallel: bool = True,
                 tp_plan: TPPlan | PlanFn | None = None, pipeline_stage: bool = False,
-                compile: bool = False) -> nn.Module:
+                compile: bool = False,
+                materialize: Callable[[nn.Module], Any] | None = None) -> nn.Module:
     """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order and
     return the module the loop runs forward/backward on.
 
@@ -56,8 +57,12 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     ``sequence_parallel``/``tp_plan``: tensor parallelism over ``tp`` (see tensor.py; the plan
     defaults to the model's ``tp_plan`` method). ``pipeline_stage``: ``model`` is one pipeline
     stage, replicated with composable ``replicate`` instead of DDP (see ddp.py). ``compile``:
-    ``torch.compile`` each block in place (run.compile).
+    ``torch.compile`` each block in place (run.compile). ``materialize(model)``: allocates and
+    fills a model built on the meta device (or fills a real one in place) once it is cut: after
+    FSDP has sharded it, so a rank allocates its shards only; before DDP, whose construction
+    broadcasts rank 0's weights and keeps views of them.
     """
+    fill = materialize or (lambda m: m)
     if mesh.size("tp") > 1:
         apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
     if mesh.size("ep") > 1:  # after TP, before AC and FSDP, as torchtitan's parallelize_deepseekv3
@@ -81,8 +86,11 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
             shard_experts(model, mesh, reshard_after_forward=zero == 3,
                           mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
                                                          reduce_dtype=reduce_dtype))
-        return apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,
-                          hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_fsdp(model, mesh, blocks=units, reshard_after_forward=zero == 3,
+                   hybrid=replicate, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        fill(model)
+        return model
+    fill(model)
     over = mesh.grad_dim(replicate)  # dp (or dp_shard), with the cp ranks under context parallel
     if mesh.size(over) > 1:
         if pipeline_stage:

@@ -5,9 +5,9 @@ registration order, with ``nn.ModuleList`` / ``nn.ModuleDict`` children expanded
 entries (GPT: ``tok_emb, pos_emb, drop, blocks.0 .. blocks.L-1, ln_f, lm_head``). Split points
 are the FQNs of the units that begin stages 1, 2, ...; the shipped families (GPT, Llama) compute balanced
 ones (:func:`balanced_split`), a user model names them (``parallel.pp_split``). A stage
-is a deep copy of the whole model with every unit of the other stages deleted: an attribute
-becomes ``None`` and a container entry (also a top-level ``nn.Sequential``'s) is removed *by
-key*, so the remaining parameters keep
+is the whole model (a copy of it for all but a rank's last stage) with every unit of the other
+stages deleted: an attribute becomes ``None`` and a container entry (also a top-level
+``nn.Sequential``'s) is removed *by key*, so the remaining parameters keep
 their FQNs and a stage's state dict is a subset of the full model's; one DCP checkpoint loads
 under any pp degree. The model's ``forward`` must therefore skip absent parts (see
 ``GPT.forward``) and a stage's input is the previous stage's output.
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from allhands import collective
 from allhands.config.pipeline import PP_SCHEDULE_CLASSES, PP_SCHEDULES, SINGLE_STAGE, V_SCHEDULES
 from allhands.models import GPT, Llama
 from allhands.parallel.tensor import _tied_groups
@@ -102,10 +103,12 @@ def _delete_unit(model: nn.Module, unit: str) -> None:
         setattr(model, key, None)
 
 
-def build_stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
-    """A deep copy of ``model`` holding only the units ``keep``."""
-    stage = copy.deepcopy(model)
-    for unit in units(model):
+def build_stage_module(model: nn.Module, keep: list[str], reuse: bool = False) -> nn.Module:
+    """``model`` holding only the units ``keep``: a deep copy of it, or with ``reuse`` the model
+    itself, cut down. A model on the meta device copies no weights; a real one copied would
+    hold its units twice until the caller drops it, so the last stage a rank builds reuses it."""
+    stage = model if reuse else copy.deepcopy(model)
+    for unit in units(stage):
         if unit not in keep:
             _delete_unit(stage, unit)
     return stage
@@ -243,7 +246,7 @@ class Pipeline:
                     grad.add_(g)
             else:
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
-                dist.all_reduce(local, group=self.tied_group or self.group)
+                collective.all_reduce(local, call="sync_tied_grads", group=self.tied_group or self.group)
             # the other copies on this rank take the summed gradient
             for g in grads[1:]:
                 g.copy_(grad)
@@ -282,7 +285,9 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
                    schedule: str, n_microbatches: int, stages_per_rank: int = 1,
                    split_points: list[str] | None = None,
                    tied_group: dist.ProcessGroup | None = None) -> Pipeline:
-    """Cut ``model`` into ``pp_size * stages_per_rank`` stages and keep this rank's.
+    """Cut ``model`` into ``pp_size * stages_per_rank`` stages and keep this rank's; ``model``
+    itself becomes the last of them. Built on the meta device, each stage is allocated only
+    after the cut (parallel/layout.py), with just its own units.
 
     ``split_points``: FQNs of the units that begin stages 1.. (None: the model's own
     ``pipeline_split_points(n_stages)``; a GPT's or Llama's default: :func:`balanced_split`). ``tied_group``: the group of the ranks holding the
@@ -314,7 +319,9 @@ def build_pipeline(model: nn.Module, *, pp_rank: int, pp_size: int, group: dist.
     if holds_tied and pp_size > 2 and tied_group is None:
         raise ValueError("tied parameters on the first and last stage need tied_group, the group of "
                          "those two ranks (Mesh.pp_ends_group), when pp > 2")
-    modules = [build_stage_module(model, per_stage[s]) for s in ids]
+    # the model itself becomes this rank's last stage, so no copy of it outlives the split
+    modules = [build_stage_module(model, per_stage[s], reuse=i == len(ids) - 1)
+               for i, s in enumerate(ids)]
     return Pipeline(modules, ids, n_stages, pp_rank, pp_size, schedule, n_microbatches, group,
                     tied=tied, tied_group=tied_group)
 
@@ -349,15 +356,16 @@ def global_grad_norm(params: list[nn.Parameter], *, pp_group: dist.ProcessGroup 
             continue
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         by_mesh.setdefault(key, []).append(p.grad)
-    total = torch.zeros((), dtype=torch.float32)
+    # summed where the stages reduce it (a stage without gradients takes part too), else on the host
+    dev = collective.device(pp_group) if pp_group is not None else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=dev)
     for mesh, grads in by_mesh.items():
         n = torch.nn.utils.get_total_norm(grads, norm_type)
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        total = total + n.float().cpu() ** norm_type
+        total = total + (n.float() ** norm_type).to(dev)
     if pp_group is not None:
-        total = total.to(params[0].device) if params else total
-        dist.all_reduce(total, group=pp_group)
+        collective.all_reduce(total, call="global_grad_norm", group=pp_group)
     return total.cpu() ** (1.0 / norm_type)
 
 
