@@ -1,0 +1,27 @@
+"""bench/gpu_check.py, the first run on a GPU, in its dry mode: the same steps (the default job,
+Llama 3 8B's shape under FSDP with selective activation checkpointing eager and compiled,
+document-masked packing, a mixture of experts, an exact resume) on CPU at toy shapes, so that
+the script a GPU machine runs once cannot rot between those runs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from conftest import ROOT
+
+
+def test_every_step_of_the_gpu_check_runs_in_its_dry_mode(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    code = gpu_check.main(["--dry", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = out[out.index("\nstep "):].splitlines()[2:]
+    rows = {line[:18].strip(): line.split() for line in table if line and not line.startswith("runs in")}
+    assert code == 0, out
+    assert list(rows) == ["default", "llama8b eager", "llama8b compiled", "packed", "moe", "resume"], out
+    assert all(r[len(name.split())] == "0" for name, r in rows.items()), out
+    assert "both ways" in " ".join(rows["resume"]), out
+    # the compiled Llama step said what it compiled (the first step's record)
+    records = (tmp_path / "llama8b-compiled" / "metrics.jsonl").read_text()
+    assert '"compile_graphs"' in records
