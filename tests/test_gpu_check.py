@@ -6,8 +6,14 @@ the script a GPU machine runs once cannot rot between those runs."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 from conftest import ROOT
+
+# What a GPU machine with torch alone lacks: allhands' other requirements and its extras.
+NOT_ON_A_BARE_MACHINE = ["safetensors", "tqdm", "matplotlib", "tokenizers", "transformers",
+                         "tensorboard", "wandb", "mlflow", "pyarrow", "zstandard", "msgspec", "jinja2"]
 
 
 def test_every_step_of_the_gpu_check_runs_in_its_dry_mode(tmp_path, capsys):
@@ -25,3 +31,18 @@ def test_every_step_of_the_gpu_check_runs_in_its_dry_mode(tmp_path, capsys):
     # the compiled Llama step said what it compiled (the first step's record)
     records = (tmp_path / "llama8b-compiled" / "metrics.jsonl").read_text()
     assert '"compile_graphs"' in records
+
+
+def test_training_imports_nothing_but_torch_and_numpy(cli_env):
+    """bench/gpu_check.sh runs on a machine with torch and nothing installed: the launcher, the
+    worker and the trainer import with every other package absent (exporting weights, the PNG
+    report, trackers and tokenizers import theirs when used; the progress bar falls back to
+    plain lines without tqdm)."""
+    code = ("import sys\n"
+            f"for name in {NOT_ON_A_BARE_MACHINE!r}:\n"
+            "    sys.modules[name] = None\n"
+            "import allhands.launch.launcher, allhands.worker, allhands.trainer, allhands.cli\n"
+            "from allhands.metrics import MetricsWriter\n")
+    r = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -7,6 +7,7 @@ included so a straggler is visible), and the same lines to the experiment tracke
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -62,8 +63,10 @@ class MetricsWriter:
                  trackers: Sequence[str] = ("tensorboard",), config: dict[str, Any] | None = None):
         self.enabled, self.total = enabled, total_steps
         self.t0 = time.perf_counter()
-        # plain lines (no terminal): every progress_s seconds; the ETA from the steps of this run
-        self.progress_s = progress_s if progress and not sys.stderr.isatty() else 0.0
+        # plain lines (no terminal, or no tqdm: a bare machine with torch alone): every
+        # progress_s seconds; the ETA from the steps of this run
+        bar = progress and sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
+        self.progress_s = progress_s if progress and not bar else 0.0
         self._said_at = self.t0
         self._first: tuple[float, int] | None = None  # (time, step) of the first step record
         self.last: dict[str, Any] = {}
@@ -73,8 +76,8 @@ class MetricsWriter:
         if not enabled:
             return
         self._file = open_private(run_dir / "metrics.jsonl", "a", buffering=1)
-        if progress and sys.stderr.isatty():
-            from tqdm import tqdm
+        if bar:
+            from tqdm import tqdm  # optional: only for the bar
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr, disable=None)

@@ -24,8 +24,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from allhands.checkpoint.catalog import committed
 from allhands.checkpoint.hf import write_hf
@@ -91,6 +89,8 @@ def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike, step: int
     except OSError as e:
         raise ConfigError(f"--out: {cannot_write(out, e)}; pass a path in a writable "
                           f"directory") from None
+    from safetensors.torch import save_file  # only to export: training runs without safetensors
+
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp),
               metadata={"format": "pt", "allhands_step": str(saved_step)})
     os.replace(tmp, out)  # a reader never sees half a file
@@ -210,6 +210,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     if Path(path).is_dir():
         sd = checkpoint_weights(Path(path))
     else:
+        from safetensors import SafetensorError  # only for a .safetensors init_from
+        from safetensors.torch import load_file
         try:
             sd = load_file(str(path))
         except (SafetensorError, OSError) as e:

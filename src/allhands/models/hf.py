@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from allhands.errors import CheckpointError, ConfigError
 from allhands.models import gpt_hf, llama_hf, moe_hf
@@ -89,6 +87,8 @@ class HFReader:
 
     def _handle(self, file: str):
         if file not in self._open:
+            # safetensors only where weights are read or written: training runs without it
+            from safetensors import SafetensorError, safe_open
             try:
                 self._open[file] = safe_open(str(self.path / file), framework="pt")
             except (SafetensorError, OSError) as e:
@@ -334,6 +334,8 @@ def write_hf_dir(out: Path, tensors: dict[str, torch.Tensor], config: dict,
         shards[-1][name] = t
         size += n
     meta = {"format": "pt", **(metadata or {})}
+    from safetensors.torch import save_file  # only to export: training runs without safetensors
+
     if len(shards) == 1:
         save_file(shards[0], str(out / WEIGHTS), metadata=meta)
     else:
