@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import json
 import os
-import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -238,12 +238,13 @@ def _timeout(group) -> datetime.timedelta:
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
-def _mesh_rank(rank: int, port: int, out: str) -> None:
+def _mesh_rank(rank: int, out: str) -> None:
     from allhands.env import INSECURE_ENV
     from allhands.mesh import Mesh
     os.environ[INSECURE_ENV] = "1"
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    # a file store: no port to pick beforehand, and no rank's exit takes it away from the other
+    store = dist.FileStore(os.path.join(out, "store"), 2)
     got = {}
     # tp over both ranks (the dp flatten and every other dim: groups of one), then ep over both
     for name, layout in (("tp", {"tp": 2, "dp_replicate": 1}), ("ep", {"dp_shard": 2, "dp_replicate": 1, "ep": 2})):
@@ -255,16 +256,16 @@ def _mesh_rank(rank: int, port: int, out: str) -> None:
         mesh.destroy()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(got, f)
+    store.add("finished", 1)  # neither leaves while the other may still be making a group
+    while store.add("finished", 0) < 2:
+        time.sleep(0.05)
     os._exit(0)  # no teardown: gloo's threads can abort a process exiting normally (SIGABRT)
 
 
 def test_every_group_of_the_mesh_has_the_jobs_timeout_and_its_device(tmp_path):
     """torch 2.13 makes a DeviceMesh's groups with its own default timeout (30 min under gloo),
     not the default group's: the mesh hands the job's timeout to each one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_mesh_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_mesh_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
     for rank in range(2):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         for layout, groups in got.items():
