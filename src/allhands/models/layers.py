@@ -8,15 +8,44 @@ runs on ``n_heads`` query and ``n_kv_heads`` key/value heads or on the local
 
 Shapes: ``x`` is ``(B, T, C)``; per-head tensors are ``(B, heads, T, head_dim)``; RoPE tables are
 ``(T, head_dim)`` or, for explicit positions, ``(B, T, head_dim)``.
+
+Document masks (packed rows) take one of two kernels, chosen by device (:func:`attention_path`):
+FlexAttention with a block mask on CUDA, SDPA with a dense mask elsewhere.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# flex_attention and create_block_mask, each compiled once per process and shared by every layer
+# of every model, as torchtitan keeps one compiled flex_attention (a class attribute of its
+# FlexAttention) and one compiled create_block_mask. Eager, flex_attention materialises the whole
+# (B, H, T, T) score matrix and create_block_mask evaluates the mask_mod on every (q, kv) pair;
+# compiled, both work block by block and skip masked-out blocks. Made on first use rather than at
+# import: torch.compile imports dynamo and inductor (2.6 s measured here), which CPU runs and
+# commands that only read a model's shape never use.
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled(name: str) -> Callable:
+    """The compiled ``"flex_attention"`` or ``"create_block_mask"``. The first call comes from
+    :func:`document_block_mask`, in the model's forward before any block runs, so a block that
+    is itself compiled only reads the cache. ``wrap_inductor_compiled_regions`` shows the compiled
+    attention to TorchDispatchModes as one ``inductor_compiled_code`` op, so selective activation
+    checkpointing (parallel/ac.py) can save its output (torchtitan sets the same option)."""
+    if name not in _COMPILED:
+        if name == "flex_attention":
+            fn = torch.compile(flex_attention, options={"wrap_inductor_compiled_regions": True})
+        else:
+            fn = torch.compile(create_block_mask)
+        _COMPILED[name] = fn
+    return _COMPILED[name]
 
 
 class RMSNorm(nn.Module):
@@ -103,13 +132,47 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def document_mask(idx: torch.Tensor, doc_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ``(B, T)`` that restart at each document of a packed row, and the additive
-    attention mask ``(B, 1, T, T)`` that keeps each token inside its own document and causal."""
-    T = idx.shape[1]
+def attention_path(device: torch.device | str) -> str:
+    """The kernel a document mask is built for on ``device``: ``"flex"`` on CUDA, ``"sdpa"``
+    elsewhere.
+
+    On CUDA, SDPA with a dense mask cannot run flash attention (it takes no mask) and, with
+    grouped-query heads, not the memory-efficient kernel either, so it falls back to the math
+    kernel and its ``(B, H, T, T)`` scores: out of memory or several times slower at 8k tokens.
+    FlexAttention takes grouped-query heads and a block mask that skips every block outside a
+    document. On CPU (torch 2.13) flex_attention has no backward, so the CPU keeps SDPA."""
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def document_block_mask(seg: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask for document ids ``seg`` ``(B, T)``: query ``q`` may attend key
+    ``kv`` when ``kv <= q`` in the same document. Built once per batch and shared by every layer
+    and head (``H=None``); compiled on CUDA."""
+    B, T = seg.shape
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (seg[b, q_idx] == seg[b, kv_idx])
+
+    if not seg.is_cuda:
+        return create_block_mask(causal_document, B, None, T, T, device=seg.device)
+    compiled("flex_attention")  # made here, outside any compiled block (see compiled)
+    return compiled("create_block_mask")(causal_document, B, None, T, T, device=seg.device)
+
+
+def document_mask(idx: torch.Tensor, doc_token: int, dtype: torch.dtype = torch.float32,
+                  path: str | None = None) -> tuple[torch.Tensor, torch.Tensor | BlockMask]:
+    """Positions ``(B, T)`` that restart at each document of a packed row, and the mask that keeps
+    each token inside its own document and causal, for ``path`` (default
+    :func:`attention_path` of ``idx``'s device): a :class:`BlockMask` for ``"flex"``, or for
+    ``"sdpa"`` the additive mask ``(B, 1, T, T)`` in ``dtype``, which should be the queries'
+    dtype: SDPA's memory-efficient CUDA kernel refuses a float32 mask with bf16 queries."""
     pos, seg = document_positions(idx, doc_token)
+    if (path or attention_path(idx.device)) == "flex":
+        return pos, document_block_mask(seg)
+    T = idx.shape[1]
     same = seg[:, :, None] == seg[:, None, :]
-    return pos, additive((same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None])
+    causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+    return pos, additive((same & causal)[:, None], dtype)
 
 
 class Attention(nn.Module):
@@ -129,8 +192,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: None for plain causal attention, or ``document_mask``'s ``(B, 1, T, T)``."""
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        """``mask``: None for plain causal attention, or :func:`document_mask`'s: a
+        :class:`BlockMask` (FlexAttention) or an additive ``(B, 1, T, T)`` (SDPA)."""
         B, T, _ = x.shape
         # (B, T, heads * hd) -> (B, T, heads, hd); heads are the local ones under tensor parallel
         q = self.q_proj(x).view(B, T, -1, self.head_dim)
@@ -142,11 +206,18 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA's own grouped-query broadcasting: on CPU (torch 2.13) it was faster than
         # expanding k and v with repeat_interleave first (bench/attention_gqa.py), and it
-        # never materialises the repeated heads.
-        # A document mask goes to SDPA as a dense boolean mask: flex_attention's block masks
-        # would skip whole blocks, but on CPU (torch 2.13) flex_attention has no backward.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        # never materialises the repeated heads. FlexAttention broadcasts the same way.
+        gqa = q.shape[1] != k.shape[1]
+        if isinstance(mask, BlockMask):
+            flex = compiled("flex_attention") if q.is_cuda else flex_attention
+            y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+                # an additive mask must match q (e.g. a float32 mask under bf16 autocast);
+                # document_mask builds it in the model's dtype so this copy is the exception
+                mask = mask.to(q.dtype)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

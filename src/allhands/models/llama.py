@@ -143,17 +143,19 @@ class Llama(nn.Module):
         """``idx``: token ids ``(B, T)``, or on a later pipeline stage the hidden state
         ``(B, T, C)``; ``positions``: ``(B, T)`` position of each token (default ``0 .. T-1``)."""
         T, mask = idx.shape[1], None
+        x = self.tok_emb(idx) if self.tok_emb is not None else idx
         if self.cfg.doc_token >= 0 and self.tok_emb is not None and positions is None:
             # packed documents: positions restart and attention stays inside each document (under
-            # context parallelism the layout passes positions and masks attention itself)
-            positions, mask = document_mask(idx, self.cfg.doc_token)
+            # context parallelism the layout passes positions and masks attention itself). One
+            # mask for every layer: a BlockMask on CUDA, elsewhere a dense one in the hidden
+            # state's dtype (bf16 under FSDP's mixed precision), the dtype q will have.
+            positions, mask = document_mask(idx, self.cfg.doc_token, dtype=x.dtype)
         if T > self.cfg.seq_len and positions is None:
             raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
         if positions is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.tok_emb(idx) if self.tok_emb is not None else idx
         for block in self.blocks.values():
             x = block(x, cos, sin, mask)
         if self.norm is not None:

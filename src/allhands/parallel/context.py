@@ -159,6 +159,8 @@ class _GatheredAttention(TorchFunctionMode):
         if o.mask is None:  # plain causal on CPU: blockwise, with no mask at all
             k, v = k[:, :, o.order], v[:, :, o.order]  # gathered order -> global order
             return _CausalBlocks.apply(q, k, v, o.chunks)
+        if o.mask.dtype != q.dtype:  # bf16 q under FSDP's mixed precision: cast once a forward
+            o.mask = o.mask.to(q.dtype)
         kwargs["attn_mask"] = o.mask  # causal over global positions, inside each document
         return func(q, k, v, *args[3:], **kwargs)
 
