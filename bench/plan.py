@@ -10,17 +10,23 @@
    repeat. Step times are the fastest step after the first two, the statistic the calibration
    uses for its probes (other processes only add time); the median is shown beside it.
 
-2. Published runs. Predicted MFU for configurations whose throughput was published, from the
-   cluster presets (datasheet peaks, flops.py; link figures, cluster.py) and what each source
-   states about its hardware and software:
+2. Published runs. Predicted MFU (so tokens/s) for configurations whose throughput was published,
+   from the cluster presets (datasheet peaks, flops.py; link figures and each GPU generation's
+   kernel terms, cluster.py's KERNELS) and what each source states about its hardware and
+   software. The kernel terms (matmul share of peak and its fall for narrow matrices, fused
+   attention's share, element-wise bandwidth share, FSDP overlap) are fitted per generation on
+   the fitting half, every other row of each table (rows 0, 2, 4, ... as entered below: FIT_RULE);
+   the other half is printed apart as held out, with each generation's spread of measured /
+   predicted, the interval ``allhands plan`` prints. ``--fit`` fits the terms again and prints the
+   comparison under them. Target: within 20% of published. The runs:
 
    - torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md``: Llama 3.1 8B, FSDP, local
      batch 2, sequence 8192, selective AC, bf16, on 8 and on 128 H100 (Tables 1 and 3):
      5,762 / 6,667 tokens/s per GPU on 8 (eager / torch.compile), 5,605 / 6,514 on 128. Its
      hardware section: 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit; its footnote: the
      part's actual peak lies between the SXM's (989) and the NVL's (835 TFLOP/s), and the MFU it
-     gives (33-39%) is taken against 989. Planned with ``hbm_gbs=2400`` and, as the upper bound
-     of the MFU, the SXM's 989; the NVL's 835 gives the lower.
+     gives (33-39%) is taken against 989. Planned with ``hbm_gbs=2400`` at the geometric middle
+     of the two peaks (the MFU against 989), both ends printed beside it.
    - torchtitan, ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, the same 500 W parts:
      the vanilla-TP bf16 rows, Llama 3 8B on 64 H100 (FSDP 8, TP 8, compile, per-op selective AC,
      local batch 12: 4,378 tokens/s per GPU) and Llama 3 70B on 256 H100 (FSDP 32, TP 8, compile,
@@ -55,15 +61,18 @@
    The planner models the reference GPT, so Llama 3 8B is entered as a GPT of its depth, width,
    heads, sequence and vocabulary; MFU is normalised by each model's own FLOPs.
 
-    python bench/plan.py [--steps 20] [--repeat 2] [--skip-check]
+    python bench/plan.py [--steps 20] [--repeat 2] [--skip-check] [--fit]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -73,7 +82,7 @@ from allhands.config import Config, apply_override  # noqa: E402
 from allhands.data import prepare  # noqa: E402
 from allhands.data.shards import embedded_text  # noqa: E402
 from allhands.flops import PEAK_FLOPS, gpt_flops_per_token  # noqa: E402
-from allhands.plan import Layout, estimate, parse_cluster, plan  # noqa: E402
+from allhands.plan import PRESETS, Layout, estimate, parse_cluster, plan  # noqa: E402
 from allhands.plan.calibrate import calibrate, recalibrated  # noqa: E402
 from allhands.plan.check import check  # noqa: E402
 from conftest import TINY  # noqa: E402
@@ -197,21 +206,23 @@ def mpt_config(model: str, seq: int, gpus: int = 8, micro: int = 1, accum: int =
                    f"parallel.reduce_dtype={'bf16' if pure else 'fp32'}")
 
 
-def _mpt(row: tuple, gpu: str, spec: str, pure: bool, table: str) -> float:
+def _mpt(row: tuple, gpu: str, spec: str, pure: bool, table: str) -> "Row":
     """Plan one llm-foundry row as it ran: FSDP FULL_SHARD, no dropout (MPT's defaults: attn_pdrop,
     resid_pdrop and emb_pdrop 0), flash-attn's fused cross-entropy (``loss_fn`` defaults to
-    ``fused_crossentropy`` in llmfoundry/models/mpt/modeling_mpt.py at 061f2c7); print it."""
+    ``fused_crossentropy`` in llmfoundry/models/mpt/modeling_mpt.py at 061f2c7)."""
     model, seq, gpus, micro, accum, ckpt, pub_tps, _ = row
     layers, width, _ = MPT[model]
     layout = Layout(1, gpus, 1, 1, 3, 1, "block" if ckpt else "none", False)
-    est = estimate(mpt_config(model, seq, gpus, micro, accum, pure), layout,
-                   parse_cluster(spec.format(gpus // 8)), True, loss="fused")
+    cfg = mpt_config(model, seq, gpus, micro, accum, pure)
+    base = parse_cluster(spec.format(gpus // 8))
     peak = PEAK_FLOPS[gpu]["bf16"]
     pub = pub_tps * gpt_flops_per_token(n_layer=layers, n_embd=width, seq_len=seq, vocab_size=50368) / peak
     label = f"MPT {model} T={seq} mb{micro}x{accum}{' ac' if ckpt else ''}, {gpus} {gpu}"
-    print(f"{label:<40} {100 * est.mfu:>12.1f}% {100 * pub:>5.1f}% {est.mfu / pub:>11.2f}  llm-foundry "
-          f"benchmarking {table}{' [planner: does not fit]' if est.reason else ''}")
-    return est.mfu / pub
+
+    def predict(terms: dict) -> tuple[float, str]:
+        est = estimate(cfg, layout, dataclasses.replace(base, **terms), True, loss="fused")
+        return est.mfu, " [planner: does not fit]" if est.reason else ""
+    return Row(f"llm-foundry {table}", gpu, label, pub, predict, f"llm-foundry benchmarking {table}")
 
 
 def this_machine(steps: int, repeat: int) -> None:
@@ -256,49 +267,165 @@ def this_machine(steps: int, repeat: int) -> None:
           f"step after the first 2, as the calibration times its probes; load: 1-minute load average)")
 
 
-def published() -> list[float]:
-    """Print predicted against published MFU; return each row's ratio."""
-    head = f"{'run':<40} {'MFU pred':>13} {'pub':>6} {'ratio':>11}  source"
-    print(head + "\n" + "-" * len(head))
-    ratios = []
-    for name, source, spec, model, gpus, tp, local, ac, comp, pub_tps in PUBLISHED:
-        cfg = _config(*LLAMA3_CFG[model], f"run.global_batch={local * gpus // tp}")
-        peak = PEAK_FLOPS["H100" if spec.startswith("h100") else "A100"]["bf16"]
-        layout = Layout(1, gpus // tp, tp, 1, 3, 1, ac, comp)
-        mfu = [estimate(cfg, layout, parse_cluster(spec), True).mfu]
-        if spec.startswith("h100"):  # the MFU against 989 of a part whose peak may be 835
-            mfu.append(estimate(cfg, layout, parse_cluster(f"{spec},bf16_tflops=835"), True).mfu * NVL_PEAK / peak)
-        pub = pub_tps * LLAMA3_FLOPS[model] / peak
-        ratios += [x / pub for x in mfu]
-        print(f"{name:<40} {'-'.join(f'{100 * x:.1f}' for x in sorted(mfu)) + '%':>13} {100 * pub:>5.1f}% "
-              f"{'-'.join(f'{x / pub:.2f}' for x in sorted(mfu)):>11}  {source}")
-    for gpu, spec, rows, pure in (("H100", "h100:{}", MPT_H100, False), ("A100", A100_ROCE, MPT_A100, False),
-                                  ("A100", A100_ROCE, MPT_A100_PURE, True)):
-        table = "H100 80GB BF16" if gpu == "H100" else "A100 80GB RoCE" + (" PURE" if pure else "")
-        for row in rows:
-            ratios.append(_mpt(row, gpu, spec, pure, table))
-    for params, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON:
-        d = gpus // (t * p)
-        cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
-                      "model.seq_len=2048", "model.vocab_size=51200", "model.bias=true",
-                      "model.tie_embeddings=true", "run.precision=bf16", f"run.global_batch={batch}",
-                      # no sequence parallelism in 2021 (Korthikanti et al. 2022 added it): every
-                      # tensor-parallel rank holds its norms' whole gradients
-                      "parallel.tp_sequence_parallel=false",
-                      f"run.micro_batches={batch // d if p == 1 else 1}")  # sequences of one
-        layout = Layout(d, 1, t, p, 0, batch // d if p > 1 else 1, "block", False)
-        est = estimate(cfg, layout, parse_cluster(f"a100:{gpus // 8}"), True, attention="materialized",
+@dataclasses.dataclass
+class Row:
+    """One published run: its table, GPU generation, label, published MFU and the planner's
+    prediction for a set of kernel terms (``{}``: the cluster preset's own)."""
+    table: str
+    gpu: str
+    label: str
+    pub: float
+    predict: Callable[[dict], tuple[float, str]]
+    source: str
+    fit: bool = False  # in the named half the terms are fitted on (FIT_RULE)
+
+
+def _llama_row(name, source, spec, model, gpus, tp, local, ac, comp, pub_tps) -> Row:
+    cfg = _config(*LLAMA3_CFG[model], f"run.global_batch={local * gpus // tp}")
+    gpu = "H100" if spec.startswith("h100") else "A100"
+    peak = PEAK_FLOPS[gpu]["bf16"]
+    layout = Layout(1, gpus // tp, tp, 1, 3, 1, ac, comp)
+    base = parse_cluster(spec)
+
+    def predict(terms: dict) -> tuple[float, str]:
+        c = dataclasses.replace(base, **terms)
+        if gpu == "A100":
+            return estimate(cfg, layout, c, True).mfu, ""
+        # the part's peak lies between the SXM's 989 and the NVL's 835 (the source's footnote): the
+        # geometric middle, the MFU still against 989; the two ends are printed beside it
+        ends = [estimate(cfg, layout, dataclasses.replace(c, peak_bf16=x), True).mfu * x / peak
+                for x in (NVL_PEAK, peak)]
+        return (ends[0] * ends[1]) ** 0.5, f" (at 835-989: {100 * ends[0]:.1f}-{100 * ends[1]:.1f}%)"
+    return Row(f"torchtitan {gpu}", gpu, name, pub_tps * LLAMA3_FLOPS[model] / peak, predict, source)
+
+
+def _megatron_row(params, heads, hidden, layers, t, p, gpus, batch, tflops) -> Row:
+    d = gpus // (t * p)
+    cfg = _config(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
+                  "model.seq_len=2048", "model.vocab_size=51200", "model.bias=true",
+                  "model.tie_embeddings=true", "run.precision=bf16", f"run.global_batch={batch}",
+                  # no sequence parallelism in 2021 (Korthikanti et al. 2022 added it): every
+                  # tensor-parallel rank holds its norms' whole gradients
+                  "parallel.tp_sequence_parallel=false",
+                  f"run.micro_batches={batch // d if p == 1 else 1}")  # sequences of one
+    layout = Layout(d, 1, t, p, 0, batch // d if p > 1 else 1, "block", False)
+    base = parse_cluster(f"a100:{gpus // 8}")
+    model = gpt_flops_per_token(n_layer=layers, n_embd=hidden, seq_len=2048, vocab_size=51200)
+    counted = model + 24 * layers * hidden ** 2 + 4 * layers * hidden * 2048  # + the recompute
+    pub = tflops * 1e12 * model / counted / PEAK_FLOPS["A100"]["bf16"]
+
+    def predict(terms: dict) -> tuple[float, str]:
+        est = estimate(cfg, layout, dataclasses.replace(base, **terms), True, attention="materialized",
                        overlap_dp=False)
-        model = gpt_flops_per_token(n_layer=layers, n_embd=hidden, seq_len=2048, vocab_size=51200)
-        counted = model + 24 * layers * hidden ** 2 + 4 * layers * hidden * 2048  # + the recompute
-        pub = tflops * 1e12 * model / counted / PEAK_FLOPS["A100"]["bf16"]
-        ratios.append(est.mfu / pub)
-        print(f"{f'GPT {params}B t{t} p{p} d{d}, {gpus} A100':<40} {100 * est.mfu:>12.1f}% {100 * pub:>5.1f}% "
-              f"{est.mfu / pub:>11.2f}  Narayanan et al. 2021 Table 1 ({tflops} TFLOP/s, "
-              f"pred {est.mfu * counted / model * 312:.0f}){' [planner: does not fit]' if est.reason else ''}")
+        return est.mfu, (f" ({tflops} TFLOP/s, pred {est.mfu * counted / model * 312:.0f})"
+                         + (" [planner: does not fit]" if est.reason else ""))
+    return Row("Megatron-LM A100", "A100", f"GPT {params}B t{t} p{p} d{d}, {gpus} A100", pub, predict,
+               "Narayanan et al. 2021 Table 1")
+
+
+# The half of each table the kernel terms are fitted on: rows 0, 2, 4, ... in the order each table
+# is entered above; rows 1, 3, 5, ... are held out.
+FIT_RULE = "every other row of each table, from its first (rows 0, 2, 4, ...); the rest held out"
+
+
+def rows() -> list[Row]:
+    """Every published run, each table's even rows marked as the fitting half."""
+    out = [_llama_row(*r) for r in PUBLISHED]
+    for gpu, spec, rows_, pure in (("H100", "h100:{}", MPT_H100, False), ("A100", A100_ROCE, MPT_A100, False),
+                                   ("A100", A100_ROCE, MPT_A100_PURE, True)):
+        table = "H100 80GB BF16" if gpu == "H100" else "A100 80GB RoCE"
+        out += [_mpt(row, gpu, spec, pure, table) for row in rows_]
+    out += [_megatron_row(*r) for r in MEGATRON]
+    seen: dict[str, int] = {}
+    for r in out:
+        r.fit = seen.get(r.table, 0) % 2 == 0
+        seen[r.table] = seen.get(r.table, 0) + 1
+    return out
+
+
+FIT_BOUNDS = {"gemm_eff": (0.40, 0.95), "attn_eff": (0.15, 0.95), "ew_eff": (0.20, 1.00),
+              "gemm_k0": (0.0, 1000.0), "overlap": (0.0, 1.0)}
+
+
+# fixed starting points, so that --fit gives the same terms whatever the presets hold
+FIT_STARTS = [{"gemm_eff": 0.75, "attn_eff": 0.5, "ew_eff": 0.8, "gemm_k0": 200.0, "overlap": 0.5},
+              {"gemm_eff": 0.8, "attn_eff": 0.3, "ew_eff": 0.7, "gemm_k0": 500.0, "overlap": 0.0}]
+
+
+def fit(rows_: list[Row], gpu: str, starts: list[dict], evals: int = 300) -> dict:
+    """The kernel terms of one GPU generation that minimise the squared log ratio of predicted
+    to published MFU over its fitting rows: Nelder-Mead inside FIT_BOUNDS from each start."""
+    mine = [r for r in rows_ if r.gpu == gpu and r.fit]
+    keys = list(FIT_BOUNDS)
+
+    def terms_of(x):
+        return {k: lo + min(1.0, max(0.0, xi)) * (hi - lo) for k, xi, (lo, hi) in zip(keys, x, FIT_BOUNDS.values())}
+
+    def loss(x):
+        return sum(math.log(r.predict(terms_of(x))[0] / r.pub) ** 2 for r in mine)
+    best = None
+    for start in starts:
+        x0 = [(start[k] - lo) / (hi - lo) for k, (lo, hi) in FIT_BOUNDS.items()]
+        simplex = [x0] + [[xi + (0.15 if i == j else 0.0) for j, xi in enumerate(x0)] for i in range(len(x0))]
+        scored = sorted((loss(x), x) for x in simplex)
+        for _ in range(evals):
+            scored.sort()
+            centre = [sum(x[i] for _, x in scored[:-1]) / (len(scored) - 1) for i in range(len(keys))]
+            worst = scored[-1][1]
+            refl = [c + (c - w) for c, w in zip(centre, worst)]
+            fr = loss(refl)
+            if fr < scored[0][0]:
+                exp = [c + 2 * (c - w) for c, w in zip(centre, worst)]
+                fe = loss(exp)
+                scored[-1] = (fe, exp) if fe < fr else (fr, refl)
+            elif fr < scored[-2][0]:
+                scored[-1] = (fr, refl)
+            else:
+                con = [c + 0.5 * (w - c) for c, w in zip(centre, worst)]
+                fc = loss(con)
+                if fc < scored[-1][0]:
+                    scored[-1] = (fc, con)
+                else:  # shrink towards the best
+                    b0 = scored[0][1]
+                    scored = [scored[0]] + [(loss(y), y) for y in
+                                            ([b + 0.5 * (xi - b) for b, xi in zip(b0, x)] for _, x in scored[1:])]
+        top = min(scored)
+        if best is None or top[0] < best[0]:
+            best = top
+    return {k: round(v, 0 if k == "gemm_k0" else 2) for k, v in terms_of(best[1]).items()}
+
+
+def published(terms: dict | None = None) -> list[tuple[Row, float]]:
+    """Print predicted against published MFU, the fitting half and the held-out half apart, and
+    the spread of each generation's held-out ratios; return (row, ratio) for every row."""
+    out = [(r, *r.predict(terms.get(r.gpu, {}) if terms else {})) for r in rows()]
+    head = f"{'run':<40} {'MFU pred':>9} {'pub':>6} {'ratio':>6}  source"
+    result = []
+    for half, title in ((True, "fitting half"), (False, "held out")):
+        print(f"{title} ({FIT_RULE}):\n{head}\n" + "-" * len(head))
+        for r, mfu, note in out:
+            if r.fit == half:
+                print(f"{r.label:<40} {100 * mfu:>8.1f}% {100 * r.pub:>5.1f}% {mfu / r.pub:>6.2f}  {r.source}{note}")
+                result.append((r, mfu / r.pub))
+        print()
+    print(f"{'table':<28} {'fit: rows, ratio range':>26} {'held out: rows, ratio range':>30} {'within 20%':>11}")
+    for table in dict.fromkeys(r.table for r, _, _ in out):
+        parts = []
+        for half in (True, False):
+            rs = [x for r, x in result if r.table == table and r.fit == half]
+            parts.append(f"{len(rs)}, {min(rs):.2f}-{max(rs):.2f}" if rs else "-")
+        held = [x for r, x in result if r.table == table and not r.fit]
+        ok = sum(abs(x - 1) <= 0.2 for x in held)
+        print(f"{table:<28} {parts[0]:>26} {parts[1]:>30} {f'{ok}/{len(held)}':>11}")
+    for gpu in ("A100", "H100"):
+        held = [x for r, x in result if r.gpu == gpu and not r.fit]
+        preset = PRESETS[gpu.lower()].interval
+        print(f"{gpu} held out: measured / predicted {1 / max(held):.2f}-{1 / min(held):.2f} over {len(held)} rows "
+              f"(the {gpu.lower()} preset's interval, which plan prints beside each figure: "
+              f"{preset[0]:.2f}-{preset[1]:.2f})")
     print("MFU = model FLOPs (no recomputation) / step time / datasheet peak (H100 SXM 989, A100 312 "
-          "bf16 TFLOP/s); target: predicted within 25% of published")
-    return ratios
+          "bf16 TFLOP/s); target: predicted within 20% of published")
+    return result
 
 
 def main() -> None:
@@ -306,11 +433,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-check", action="store_true", help="only the published comparison")
+    ap.add_argument("--fit", action="store_true", help="fit the kernel terms of each GPU generation on "
+                    "the fitting half again, print them and the comparison under them")
     args = ap.parse_args()
     if not args.skip_check:
         this_machine(args.steps, args.repeat)
         print()
-    published()
+    terms = None
+    if args.fit:
+        all_rows = rows()
+        terms = {}
+        for gpu in ("A100", "H100"):
+            terms[gpu] = fit(all_rows, gpu, FIT_STARTS)
+            print(f"{gpu} fitted: " + ", ".join(f"{k}={v:g}" for k, v in terms[gpu].items()))
+    published(terms)
 
 
 if __name__ == "__main__":

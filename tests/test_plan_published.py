@@ -4,6 +4,7 @@ the planner terms that describe their software and hardware add what they say.""
 
 import dataclasses
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "plan.py"
 def _bench():
     spec = importlib.util.spec_from_file_location("bench_plan", BENCH)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses resolve their annotations through it
     spec.loader.exec_module(mod)
     return mod
 

@@ -46,6 +46,13 @@ class Cluster:
     inter_bw: float  # bytes/s a direction per accelerator between nodes
     latency: float = 10e-6  # seconds per collective call
     gemm_eff: float = 0.75  # share of peak that a large model's matmuls reach
+    attn_eff: float = 0.0  # share of peak a fused attention kernel reaches on the FLOPs it runs; 0: gemm_eff
+    ew_eff: float = 1.0  # share of mem_bw that element-wise and norm kernels reach
+    gemm_k0: float = 0.0  # a matmul whose narrower weight dimension is k runs at gemm_eff / (1 + gemm_k0 / k)
+    overlap: float = 1.0  # share of FSDP's gathers and reductions that compute can hide
+    # measured / predicted throughput over the held-out published runs of this GPU generation
+    # (bench/plan.py); (0, 0): unknown (this machine: ``plan --check`` measures it instead)
+    interval: tuple[float, float] = (0.0, 0.0)
     op_overhead: float = 5e-6  # seconds per eager op (kernel launch, dispatcher)
     runtime: float = 0.0  # bytes a worker holds besides tensors (CPU: interpreter and libraries)
     device: str = "cuda"
@@ -59,15 +66,29 @@ class Cluster:
         return self.peak_bf16 if bf16 else self.peak_fp32
 
 
-def _gpu(name: str, key: str, memory_gb: float, hbm: float, intra: float, inter: float) -> Cluster:
+# What kernels of a GPU generation reach in whole training steps, fitted by ``python bench/plan.py
+# --skip-check --fit`` on the fitting half of the published runs it enters (every other row of
+# each table; docs/plan.md): Ampere on torchtitan's and llm-foundry's A100 runs and Megatron-LM's
+# Table 1, Hopper on torchtitan's and llm-foundry's H100 runs. H200 is a Hopper part with more,
+# faster memory: no published H200 run is entered, so it takes Hopper's terms untested.
+# ``interval``: the range of measured / predicted tokens/s over the held-out half (2026-12-07).
+KERNELS = {
+    "ampere": dict(gemm_eff=0.85, attn_eff=0.28, ew_eff=0.52, gemm_k0=571.0, overlap=0.14,
+                   interval=(0.83, 1.11)),
+    "hopper": dict(gemm_eff=0.72, attn_eff=0.16, ew_eff=0.93, gemm_k0=898.0, overlap=0.03,
+                   interval=(0.91, 1.11)),
+}
+
+
+def _gpu(name: str, key: str, memory_gb: float, hbm: float, intra: float, inter: float, gen: str) -> Cluster:
     p = PEAK_FLOPS[key]
-    return Cluster(name, 1, 8, memory_gb * 1e9, p["bf16"], p["fp32"], hbm, intra, inter)
+    return Cluster(name, 1, 8, memory_gb * 1e9, p["bf16"], p["fp32"], hbm, intra, inter, **KERNELS[gen])
 
 
 PRESETS = {
-    "a100": _gpu("a100", "A100", 80, 2.0e12, 230e9, 21e9),
-    "h100": _gpu("h100", "H100", 80, 3.35e12, 360e9, 42e9),
-    "h200": _gpu("h200", "H200", 141, 4.8e12, 360e9, 42e9),
+    "a100": _gpu("a100", "A100", 80, 2.0e12, 230e9, 21e9, "ampere"),
+    "h100": _gpu("h100", "H100", 80, 3.35e12, 360e9, 42e9, "hopper"),
+    "h200": _gpu("h200", "H200", 141, 4.8e12, 360e9, 42e9, "hopper"),
 }
 
 
@@ -122,7 +143,8 @@ def local_cluster(nproc: int = 2, *, calibrated: bool = True) -> Cluster:
 
 _KEYS = {"gpus": "per_node", "per_node": "per_node", "nodes": "nodes", "mem_gb": "memory",
          "bf16_tflops": "peak_bf16", "fp32_tflops": "peak_fp32", "intra_gbs": "intra_bw",
-         "inter_gbs": "inter_bw", "hbm_gbs": "mem_bw", "gemm_eff": "gemm_eff"}
+         "inter_gbs": "inter_bw", "hbm_gbs": "mem_bw", "gemm_eff": "gemm_eff",
+         "attn_eff": "attn_eff", "ew_eff": "ew_eff", "gemm_k0": "gemm_k0", "overlap": "overlap"}
 _SCALE = {"memory": 1e9, "peak_bf16": 1e12, "peak_fp32": 1e12, "intra_bw": 1e9, "inter_bw": 1e9,
           "mem_bw": 1e9}
 
@@ -130,7 +152,7 @@ _SCALE = {"memory": 1e9, "peak_bf16": 1e12, "peak_fp32": 1e12, "intra_bw": 1e9, 
 def parse_cluster(spec: str, nproc: int = 2) -> Cluster:
     """``PRESET[:NODES][,key=value...]``, e.g. ``h100:16`` (16 nodes of 8 H100), ``local``,
     ``a100:4,gpus=4,inter_gbs=12``. Keys: nodes, gpus, mem_gb, bf16_tflops, fp32_tflops,
-    intra_gbs, inter_gbs, hbm_gbs, gemm_eff."""
+    intra_gbs, inter_gbs, hbm_gbs, gemm_eff, attn_eff, ew_eff, gemm_k0, overlap."""
     head, *pairs = [s.strip() for s in spec.split(",") if s.strip()] or [""]
     name, _, nodes = head.partition(":")
     allowed = ", ".join([*PRESETS, "local"])

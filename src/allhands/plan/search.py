@@ -11,6 +11,7 @@ from allhands.errors import ConfigError
 from allhands.models.build import moe_preset, with_preset
 from allhands.plan.cluster import Cluster
 from allhands.plan.estimate import Estimate, Layout, estimate
+from allhands.plan.schedule import SEARCHED
 
 
 def _divisors(n: int) -> list[int]:
@@ -18,28 +19,30 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(cfg: Config, world: int, per_node: int, *, compile_options=(False, True),
-            ac_options=("none", "selective", "block")) -> Iterator[Layout]:
-    """Candidate layouts of ``world`` ranks: tp inside a node and dividing the heads, pp up to the
-    layers, the rest data parallel as DDP/ZeRO-1 (replicated), ZeRO-2/3 (sharded) or hybrid
-    (ZeRO-2/3 sharded inside groups, replicated across them); 1F1B with pp, 2pp, 4pp microbatches.
+            ac_options=("none", "selective", "block"), schedules=SEARCHED) -> Iterator[Layout]:
+    """Candidate layouts of ``world`` ranks: tp inside a node and dividing the heads, pp any divisor
+    of the ranks left up to the layers (stages of unequal blocks when pp does not divide them, cut
+    as the trainer cuts them: schedule.py), the rest data parallel as DDP/ZeRO-1 (replicated),
+    ZeRO-2/3 (sharded) or hybrid (ZeRO-2/3 sharded inside groups, replicated across them); each
+    pipeline schedule of ``schedules`` ((name, stages per rank); default 1F1B, interleaved 1F1B
+    and ZB-V) whose stages the layers fill, with pp, 2pp, 4pp microbatches.
     A Llama's tp also divides its key/value heads (each rank holds whole grouped-query groups).
     A mixture of experts also tries each expert-parallel size ``ep`` that divides the experts and
     the data-parallel ranks (under ZeRO-2/3 the sharding ranks; not with ZeRO-1 or cp)."""
     m = cfg.model
     kv = (m.n_kv_head or m.n_head) if m.family == "llama" else m.n_head
     for tp, cp in _tp_cp(cfg, world, per_node, kv):
-        for pp in _divisors(min(m.n_layer, world // (tp * cp))) if cp == 1 else [1]:
-            if (world // (tp * cp)) % pp:
-                continue
+        for pp in [p for p in _divisors(world // (tp * cp)) if p <= m.n_layer] if cp == 1 else [1]:
             dp = world // (tp * pp * cp)
             splits = [(dp, 1, 0)] + [(dp // s, s, z) for s in _divisors(dp) if s > 1 for z in (1, 2, 3)
                                      if z >= 2 or s == dp]
             for rep, shard, zero in splits:
                 for ep in _eps(cfg, dp, shard, zero, cp):
-                    for micro in ([pp, 2 * pp, 4 * pp] if pp > 1 else [1]):
-                        for ac in ac_options:
-                            for comp in compile_options:
-                                yield Layout(rep, shard, tp, pp, zero, micro, ac, comp, cp, ep)
+                    for sched, v in [s for s in schedules if pp * s[1] <= m.n_layer] if pp > 1 else [("1f1b", 1)]:
+                        for micro in ([pp, 2 * pp, 4 * pp] if pp > 1 else [1]):
+                            for ac in ac_options:
+                                for comp in compile_options:
+                                    yield Layout(rep, shard, tp, pp, zero, micro, ac, comp, cp, ep, sched, v)
 
 
 def _eps(cfg: Config, dp: int, shard: int, zero: int, cp: int) -> list[int]:
@@ -70,7 +73,8 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     """A copy of ``cfg`` that trains ``layout`` (only the sections it changes are copied)."""
     par = dataclasses.replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                               tp=layout.tp, pp=layout.pp, zero=layout.zero, ac=layout.ac, cp=layout.cp, ep=layout.ep,
-                              pp_schedule="1f1b", pp_stages_per_rank=0,
+                              pp_schedule=layout.schedule if layout.pp > 1 else "1f1b",
+                              pp_stages_per_rank=layout.stages_per_rank if layout.pp > 1 else 0,
                               pp_microbatches=layout.microbatches if layout.pp > 1 else 0)
     run = dataclasses.replace(cfg.run, compile=layout.compile)
     return dataclasses.replace(cfg, parallel=par, run=run)
@@ -78,8 +82,11 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 def plan(cfg: Config, cluster: Cluster, **kw: Any) -> list[Estimate]:
     """Every candidate layout estimated: feasible ones by step time, then the infeasible ones
-    with the validator's or the memory model's reason. A ``model.preset`` is resolved first."""
+    with the validator's or the memory model's reason. A ``model.preset`` is resolved first. This
+    machine's calibration composes 1F1B steps only (localtime.py), so ``--cluster local`` searches
+    1F1B; a GPU cluster every schedule of schedule.py's ``SEARCHED``."""
     cfg = dataclasses.replace(cfg, model=with_preset(cfg.model), moe=moe_preset(cfg.model, cfg.moe))
+    kw.setdefault("schedules", SEARCHED if cluster.calib is None else (("1f1b", 1),))
     bf16 = cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cluster.device == "cuda")
     out = []
     for layout in layouts(cfg, cluster.world, cluster.per_node, **kw):
@@ -104,10 +111,18 @@ def to_row(e: Estimate, tokens: float = 0.0) -> dict[str, Any]:
         row["reason"] = e.reason
     if e.memory:
         row.update(memory=e.memory, time=e.time, tokens_per_s=e.tokens_per_s, mfu=e.mfu)
+        if e.interval[1]:
+            row["tokens_per_s_interval"] = list(e.interval)
+    if e.unverified:
+        row["unverified"] = e.unverified
         if tokens and e.tokens_per_s:
             hours = tokens / e.tokens_per_s / 3600
             row.update(train_hours=hours, accelerator_hours=hours * e.layout.world)
     return row
+
+
+def _range(e: Estimate) -> str:
+    return f"{e.interval[0]:,.0f}-{e.interval[1]:,.0f}" if e.interval[1] else "-"
 
 
 def _count(n: int) -> str:
@@ -129,14 +144,15 @@ def format_plan(estimates: list[Estimate], cluster: Cluster, *, top: int = 10, t
                      f"a token; all_to_all is the time each step spends in expert dispatch and combine")
     w = max([32] + [len(e.layout.name()) for e in ok[:top]])
     head = (f"{'#':>3} {'layout':<{w}} {'GiB/rank':>8} {'(state':>7} {'act)':>6} {'step s':>8} "
-            f"{'comm':>6} {'bubble':>6} {'tok/s':>10} {'MFU':>6}" + (f" {'hours':>8} {'acc-h':>9}" if tokens else ""))
+            f"{'comm':>6} {'bubble':>6} {'tok/s':>10} {'(range)':>17} {'MFU':>6}"
+            + (f" {'hours':>8} {'acc-h':>9}" if tokens else ""))
     lines += [head, "-" * len(head)]
     for i, e in enumerate(ok[:top], 1):
         m, t = e.memory, e.time
         state = m["params"] + m["grads"] + m["optim"]
         line = (f"{i:>3} {e.layout.name():<{w}} {m['total'] / 2**30:>8.2f} {state / 2**30:>7.2f} "
                 f"{m['activations'] / 2**30:>6.2f} {t['step']:>8.3f} {t['comm_exposed']:>6.3f} "
-                f"{t['bubble']:>6.3f} {e.tokens_per_s:>10,.0f} {100 * e.mfu:>5.1f}%")
+                f"{t['bubble']:>6.3f} {e.tokens_per_s:>10,.0f} {_range(e):>17} {100 * e.mfu:>5.1f}%")
         if tokens:
             hours = tokens / e.tokens_per_s / 3600
             line += f" {hours:>8.1f} {hours * e.layout.world:>9,.0f}"
@@ -148,6 +164,17 @@ def format_plan(estimates: list[Estimate], cluster: Cluster, *, top: int = 10, t
     if bad:
         lines.append("infeasible (count: reason):")
         lines += [f"  {n}: {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:top]]
+    if cluster.interval[1] and any(e.interval[1] for e in ok):
+        lo, hi = cluster.interval
+        lines.append(f"range: measured / predicted tokens/s was {lo:.2f}-{hi:.2f} over published {cluster.name} "
+                     f"runs the terms were not fitted on (docs/plan.md); a layout unlike them may fall outside")
+    elif cluster.device == "cuda":
+        lines.append("range: unknown for these layouts (no published runs like them priced the terms)")
+    else:
+        lines.append("range: not given on this machine; --check trains the layouts and compares")
+    if ok and ok[0].unverified:
+        lines.append(f"every layout here is verified only by reading (allhands has not trained on a GPU "
+                     f"yet, docs/gpu.md); the first uses: {ok[0].unverified.split(': ', 1)[1]}")
     if ok:
         lines.append("train the first with: " + " ".join(f"--set {s}" for s in ok[0].layout.overrides()))
     return "\n".join(lines)
