@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from allhands.cli.common import job_args
-from allhands.config import load_config, validate
+from allhands.config import apply_override, load_config, validate
 from allhands.errors import ConfigError
 
 
@@ -96,6 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     cfg = _config_from(args)
+    if args.layout:
+        apply_override(cfg, f"parallel.layout={args.layout}")
     spec = _spec(args).validated()
     done = completed_step(args.resume, cfg.run.steps) if args.resume else None
     if done is not None:  # resuming would train nothing and log the last evaluation again
@@ -150,6 +152,9 @@ def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a model (the embedded default job without CONFIG)")
     job_args(t)
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.add_argument("--layout", choices=("auto", "manual"), default=None,
+                   help="auto: train the fastest layout the planner predicts to fit the devices found "
+                        "(parallel.* fields you set still win); the same as --set parallel.layout=auto")
     t.add_argument("--verbose", action="store_true",
                    help="say how long each start-up phase took, from the command to the first step")
     _add_launch_args(t)

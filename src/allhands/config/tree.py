@@ -125,6 +125,14 @@ class ParallelConfig:
     pp_split: str = _f("", "comma-separated FQNs of the units beginning stages 1..; empty = the model's own")
     ep: int = _f(1, "expert-parallel degree: MoE experts split over this many data-parallel ranks "
                     "(parallel/expert.py); divides dp_shard under zero 2/3, else the data-parallel ranks")
+    # choosing and checking the layout at launch (plan/auto.py; docs/layouts.md)
+    layout: str = _f("manual", "manual (the fields above as set) or auto: at launch, the planner's fastest "
+                               "layout that fits the devices found; fields set explicitly still win")
+    memory_gib: float = _f(0.0, "memory of one rank that parallel.layout=auto and the memory check plan "
+                                "for, in GiB; 0 = found at launch (the GPU's, or on CPU the host's / "
+                                "workers on the node); >= 0")
+    memory_check: bool = _f(True, "refuse, before any worker starts, a job whose predicted memory per rank "
+                                  "exceeds a rank's memory; false starts it anyway")
 
 
 @dataclass

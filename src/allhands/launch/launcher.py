@@ -36,6 +36,7 @@ from allhands.launch.rundir import removed_if_unstarted, resolve_run
 from allhands.launch.spec import (LaunchSpec, _check_security_args, check_bind, check_port_free,
                                   default_nproc, free_port, interface_of)
 from allhands.launch.supervisor import supervise
+from allhands.plan.auto import fit
 
 # what callers import from here (launch/spec.py holds them)
 __all__ = ["LaunchSpec", "check_bind", "check_port_free", "default_nproc", "free_port", "interface_of",
@@ -291,6 +292,10 @@ def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None
     if cfg.run.threads == 0:
         cfg = Config.from_dict(cfg.to_dict())
         cfg.run.threads = worker_threads(spec.nproc)
+    # The layout chosen (parallel.layout=auto) and its memory checked on the devices found,
+    # before the run directory is made: a job that cannot fit leaves nothing behind.
+    cfg = fit(cfg, nproc=spec.nproc, nnodes=spec.nnodes, own_model=getattr(job, "model", None) is not None,
+              say=lambda line: print(line, file=sys.stderr, flush=True))
     # one node only: on many, another node may be using the directory this one made
     fresh = not (resume or spec.multi_node or (cfg.run.dir and Path(cfg.run.dir).exists()))
     cfg = resolve_run(cfg, resume=resume, world_size=spec.nproc * spec.nnodes,
