@@ -16,6 +16,7 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
+import pytest
 import torch
 
 from allhands import safefs
@@ -104,9 +105,15 @@ def sleeper(out: str) -> None:
     time.sleep(600)
 
 
-def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_env):
-    code = ("import sys; from test_forkstart import sleeper; from allhands.launch.launcher import "
-            f"LaunchSpec, launch; launch(sleeper, ({str(tmp_path)!r},), LaunchSpec(nproc=2))")
+@pytest.mark.parametrize("own", [False, True], ids=["spawned-server", "forked-server"])
+def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_env, own):
+    """Spawned (a process not allhands' own: a script, a notebook) or forked (the command's own
+    process, forkstart.own_process), the server goes with a SIGKILLed launcher; a forked one holds
+    none of the launcher's descriptors (here a file it opened first) and never exec'd."""
+    code = (f"import sys; held = open({str(tmp_path / 'held')!r}, 'w'); from test_forkstart import sleeper; "
+            "from allhands.launch import forkstart; from allhands.launch.launcher import LaunchSpec, launch; "
+            + ("forkstart.own_process(); " if own else "")
+            + f"launch(sleeper, ({str(tmp_path)!r},), LaunchSpec(nproc=2))")
     p = subprocess.Popen([sys.executable, "-c", code], env=cli_env, cwd=ROOT / "tests",
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -115,8 +122,18 @@ def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_e
             (p.kill(), p.communicate(timeout=60))  # killed first: past the deadline it still runs
         time.sleep(0.1)
     below = descendants(p.pid)
-    server = [c for c, up in below.items() if up == p.pid and b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    assert len(server) == 1 and list(below.values()).count(server[0]) == 2  # the server and its 2 workers
+    server = [c for c, up in below.items() if up == p.pid and list(below.values()).count(c) == 2]
+    assert len(server) == 1  # the server and its 2 workers
+    cmdline = Path(f"/proc/{server[0]}/cmdline").read_bytes()
+    if own:
+        assert cmdline == Path(f"/proc/{p.pid}/cmdline").read_bytes()  # forked from the launcher
+        held = [os.readlink(f) for f in Path(f"/proc/{server[0]}/fd").iterdir()]
+        assert str(tmp_path / "held") not in held and \
+            str(tmp_path / "held") in [os.readlink(f) for f in Path(f"/proc/{p.pid}/fd").iterdir()]
+        assert all(h.startswith(("socket:", "pipe:", "anon_inode:", "/dev/")) or h in
+                   [os.readlink(f"/proc/{p.pid}/fd/{fd}") for fd in (0, 1, 2)] for h in held), held
+    else:
+        assert b"forkserver" in cmdline
     for sig in forkstart.SHIELDED:  # as a signal to the whole process group would reach it
         os.kill(server[0], sig)
     time.sleep(0.5)

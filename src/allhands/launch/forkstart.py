@@ -37,6 +37,17 @@ What the preload leaves in the server: no open file but its own socket and pipes
 native thread that ``import torch`` starts; a fork keeps only the forking thread, as it does for
 every DataLoader worker forked from a process that imported torch (torch resets its thread pools
 in the child with ``pthread_atfork``).
+
+**Forked, not spawned, in allhands' own processes.** multiprocessing spawns the server: a new
+interpreter that imports torch and the trainer again (about 3.5 s of CPU, most of a short job's
+start-up, and once more in every replica group's launcher). A process that is allhands' own (the
+``allhands`` command, a launcher this module started: :func:`own_process`) forks the server from
+itself instead, with what it already imported; the server then closes every descriptor but its
+socket, its pipe and the standard three, and freezes the heap it was handed (``gc.freeze``: no
+finalizer of the launcher's objects runs in it), so it holds what a spawned one holds. Anywhere
+else (a notebook, a test runner, a user's script calling the API) the process's state is not
+ours to copy (its logging, warnings, ``sys.stdout``, open sockets): the server is spawned. So it
+is where CUDA was initialised: a forked child cannot use it.
 """
 
 from __future__ import annotations
@@ -47,9 +58,12 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
+import sys
 import tempfile
 import threading
-from multiprocessing import forkserver, reduction, resource_tracker
+import traceback
+from multiprocessing import connection, forkserver, reduction, resource_tracker, util
 from typing import Any, Callable
 
 import torch
@@ -68,6 +82,13 @@ SERVER_ENV = "ALLHANDS_FORKSERVER"
 
 _lock = threading.Lock()
 _server_pid: list[int | None] = [None]  # the forkserver this module started
+_own = [False]  # this process is allhands' own: its server may be forked from it (own_process)
+
+
+def own_process() -> None:
+    """Mark this process as allhands' own (the ``allhands`` command): :func:`ensure_server` may
+    fork the server from it. Every process forked from a server of ours is marked already."""
+    _own[0] = True
 
 
 def ensure_server() -> str:
@@ -85,12 +106,75 @@ def ensure_server() -> str:
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
             os.environ[SERVER_ENV] = "1"  # inherited by the server only
             try:
-                forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
+                if _own[0] and not torch.cuda.is_initialized() and not _running(fs):
+                    _fork_server(fs)
+                else:
+                    forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
             finally:
                 os.environ.pop(SERVER_ENV, None)
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             _server_pid[0] = fs._forkserver_pid
         return "forkserver" if fs._forkserver_pid == _server_pid[0] else "spawn"
+
+
+def _running(fs: forkserver.ForkServer) -> bool:
+    """``fs``'s server is running (what ``ForkServer.ensure_running`` checks first); a dead one's
+    pipe is closed and its record cleared, as there."""
+    if fs._forkserver_pid is None:
+        return False
+    if not os.waitpid(fs._forkserver_pid, os.WNOHANG)[0]:
+        return True
+    os.close(fs._forkserver_alive_fd)
+    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+    return False
+
+
+def _fork_server(fs: forkserver.ForkServer) -> None:
+    """``ForkServer.ensure_running``'s work with the server forked from this process (see the
+    module's docstring): the same socket, "alive" pipe and ``forkserver.main`` loop; the caller
+    holds the signal mask the server starts with."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            _serve_forked(listener.fileno(), alive_r, parent)
+        os.close(alive_r)
+    fs._forkserver_address, fs._forkserver_alive_fd, fs._forkserver_pid = address, alive_w, pid
+
+
+def _serve_forked(listener: int, alive_r: int, parent: int) -> None:
+    """The forked server's life: only its own descriptors kept, the heap frozen, multiprocessing's
+    server loop until the launcher is gone, then :func:`_at_server_exit` and ``os._exit``, never
+    the launcher's exit handlers."""
+    global _lock
+    _lock = threading.Lock()  # the launcher held its copy when it forked: what this forks needs it free
+    os.environ.pop(SERVER_ENV, None)
+    code = 0
+    try:
+        keep = sorted({0, 1, 2, listener, alive_r})
+        for lo, hi in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
+            if hi > lo + 1:  # an empty range is not harmless: Linux's close_range would get (lo, lo - 1)
+                os.closerange(lo + 1, hi)
+        gc.freeze()
+        forkserver.main(listener, alive_r, PRELOAD)
+    except SystemExit:  # the loop's end: the launcher closed its end of the pipe
+        pass
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            _at_server_exit(os.getpid(), parent)
+        os._exit(code)
 
 
 def _at_server_exit(server: int, parent: int) -> None:
@@ -111,6 +195,7 @@ def _at_server_exit(server: int, parent: int) -> None:
 if SERVER_ENV in os.environ:  # imported by the preload of a server ensure_server started
     os.environ.pop(SERVER_ENV)
     atexit.register(_at_server_exit, os.getpid(), os.getppid())
+    _own[0] = True  # what it forks runs our code alone
 
 
 class Inherited:
@@ -171,3 +256,16 @@ def forked(_inherited: Any, entrypoint: Callable, *args: Any) -> Any:
         fs._forkserver_alive_fd = None
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)
     return entrypoint(*args)
+
+
+def process(target: Callable, args: tuple, name: str) -> multiprocessing.Process:
+    """An unstarted process that runs ``target(*args)``: forked from this process's server with
+    :func:`forked` and the launcher's state of the moment it starts (:class:`Inherited`), or
+    spawned where there is no server (:func:`ensure_server`). For a launcher of launchers (each
+    replica group's or parameter-server world's): a spawned one imports torch and the launcher
+    before it starts anything, the start-up that dominated a short job on a loaded host."""
+    method = ensure_server()
+    if method == "forkserver":
+        target, args = forked, (Inherited(), target, *args)
+    return multiprocessing.get_context(method).Process(target=target, name=name, args=args)
+

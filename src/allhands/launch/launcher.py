@@ -289,6 +289,9 @@ def _default_run_id(spec: LaunchSpec, run_dir: str = "") -> str:
 def train_job(cfg: Config, spec: LaunchSpec, job: Any = None, resume: str | None = None) -> Config:
     """Launcher side of ``allhands train``: resolve, then start every worker of this node."""
     spec = spec.validated()
+    # The workers' server first: forked from this process (forkstart.py), it must be before
+    # anything below can initialise CUDA here (the memory check reads the GPU's properties).
+    forkstart.ensure_server()
     if cfg.run.threads == 0:
         cfg = Config.from_dict(cfg.to_dict())
         cfg.run.threads = worker_threads(spec.nproc)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
 import secrets
 import sys
@@ -41,11 +40,6 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
     workers = spec.nproc - cfg.ps.servers
     run_dir = Path(cfg.run.dir)
     store = HostedStore("127.0.0.1", 0, "parameter-server link store", cfg.parallel.timeout_s)
-    # Each world's launcher forked from this launcher's preloaded forkserver (forkstart.py), with
-    # this launcher's environment, as its workers are: a spawned one imported torch and the
-    # launcher first, the start-up that dominated a short job on a loaded host.
-    method = forkstart.ensure_server()
-    ctx = mp.get_context(method)
     procs = []
     for g in range(workers + 1):  # the last group: the servers
         nproc = cfg.ps.servers if g == workers else 1
@@ -61,11 +55,8 @@ def run_ps_groups(cfg: Config, spec: Any, job: Any, *, launch: Callable, entry: 
             policy, first_step_timeout_s=policy.hang_timeout_s)
         args = (cfg.to_dict(), job, g, workers + 1, store.port, launch, entry, group_spec, world_policy,
                 where, resume)
-        if method == "forkserver":
-            target, args = forkstart.forked, (forkstart.Inherited(), _group_main, *args)
-        else:
-            target = _group_main
-        procs.append(ctx.Process(target=target, name=f"allhands-ps-{g}", args=args))
+        # forked from this launcher's server (forkstart.py), with its environment, as its workers are
+        procs.append(forkstart.process(_group_main, args, f"allhands-ps-{g}"))
     try:
         start_with_secret(procs, secrets.token_hex(32))
         store.ready()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import multiprocessing as mp
 import os
 import secrets
 import socket
@@ -33,6 +32,7 @@ from allhands import admission
 from allhands.authstore import sealed
 from allhands.config import Config
 from allhands.errors import ConfigError
+from allhands.launch import forkstart
 from allhands.launch.listeners import is_wildcard, resolve
 from allhands.launch.replicas import check_groups, end_slots, group_main
 from allhands.launch.storehost import HostedStore
@@ -107,10 +107,9 @@ def run_replica_nodes(cfg: Config, nproc: int, job: Any, *, launch: Callable, en
                                    bind="", min_nodes=0, rdzv_store="node0", secret_file="")
     groups = nproc * spec.nnodes
     mine = [spec.node_rank * nproc + g for g in range(nproc)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, groups, f"{g},{groups},{host},{port},{address}",
-                               secret or "", launch, entry, one_node, policy)) for g in mine]
+    procs = [forkstart.process(group_main, (cfg.to_dict(), job, g, groups, f"{g},{groups},{host},{port},{address}",
+                                            secret or "", launch, entry, one_node, policy), f"allhands-replica-{g}")
+             for g in mine]
     for p in procs:
         p.start()
     print(f"allhands: replica mode: node {spec.node_rank} runs replica groups "

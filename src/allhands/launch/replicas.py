@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import secrets
 import signal
@@ -45,7 +44,7 @@ from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
-from allhands.launch import stop
+from allhands.launch import forkstart, stop
 from allhands.launch.storehost import HostedStore
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
@@ -63,10 +62,9 @@ def run_replicas(cfg: Config, nproc: int, job: Any, *, launch: Callable, entry: 
     run_dir = Path(cfg.run.dir)
     host = HostedStore("127.0.0.1", 0, "replica store", cfg.parallel.timeout_s)  # loopback only
     secret = secrets.token_hex(32)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=group_main, name=f"allhands-replica-{g}",
-                         args=(cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{host.port}", secret,
-                               launch, entry, group_spec, policy)) for g in range(nproc + cfg.fault.spares)]
+    procs = [forkstart.process(group_main, (cfg.to_dict(), job, g, nproc, f"{g},{nproc},127.0.0.1,{host.port}",
+                                            secret, launch, entry, group_spec, policy), f"allhands-replica-{g}")
+             for g in range(nproc + cfg.fault.spares)]
     try:
         for p in procs:
             p.start()
@@ -185,6 +183,7 @@ def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: s
     The quorum's ``coordinates`` (env.py ``replica_env``) and ``secret`` ("" with --insecure) reach
     the workers through the environment (the secret comes here through a pipe, not argv)."""
     os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
+    forkstart.own_process()  # spawned (no server to fork it from), it runs this alone
     cfg = Config.from_dict(cfg_dict)
     run_dir = Path(cfg.run.dir)
     where = slot_dir(run_dir, group, groups)
