@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from allhands.checkpoint import committed
-from allhands.checkpoint.export import check_init_from
 from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
 from allhands.errors import AllhandsError, ConfigError, cannot_write
@@ -31,7 +30,10 @@ def resolve_run(cfg: Config, *, resume: str | None, world_size: int, multi_node:
     no prepared data's tokenizer is compared with checkpoint.init_from's."""
     cfg = resolve_model(cfg, say=_stderr if write else None)
     validate(cfg, world_size=world_size)
-    check_init_from(cfg.checkpoint.init_from)
+    if cfg.checkpoint.init_from:  # its module imports DCP and DTensor: a second of start-up
+        from allhands.checkpoint.export import check_init_from
+
+        check_init_from(cfg.checkpoint.init_from)
     trackers = selected(cfg.log.trackers, cfg.log.tensorboard)
     missing = not_installed(trackers)
     if missing:
