@@ -108,11 +108,11 @@ def sleeper(out: str) -> None:
 @pytest.mark.parametrize("own", [False, True], ids=["spawned-server", "forked-server"])
 def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_env, own):
     """Spawned (a process not allhands' own: a script, a notebook) or forked (the command's own
-    process, forkstart.own_process), the server goes with a SIGKILLed launcher; a forked one holds
+    process, launch/owner.py), the server goes with a SIGKILLed launcher; a forked one holds
     none of the launcher's descriptors (here a file it opened first) and never exec'd."""
     code = (f"import sys; held = open({str(tmp_path / 'held')!r}, 'w'); from test_forkstart import sleeper; "
-            "from allhands.launch import forkstart; from allhands.launch.launcher import LaunchSpec, launch; "
-            + ("forkstart.own_process(); " if own else "")
+            "from allhands.launch import owner; from allhands.launch.launcher import LaunchSpec, launch; "
+            + ("owner.mark_own(); " if own else "")
             + f"launch(sleeper, ({str(tmp_path)!r},), LaunchSpec(nproc=2))")
     p = subprocess.Popen([sys.executable, "-c", code], env=cli_env, cwd=ROOT / "tests",
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -144,3 +144,13 @@ def test_the_server_and_the_workers_go_with_a_sigkilled_launcher(tmp_path, cli_e
     while any(alive(c) for c in below):
         assert time.monotonic() < deadline, f"left running: {[c for c in below if alive(c)]}"
         time.sleep(0.1)
+
+
+def test_the_cli_called_in_process_does_not_make_the_process_ours(capsys):
+    """``main(argv)`` from a test runner or a script leaves the caller's process as it was: its
+    later launches spawn their server rather than fork one carrying the caller's state."""
+    from allhands import cli
+    from allhands.launch import owner
+
+    assert cli.main(["config", "show"]) == 0
+    assert not owner.is_own()

@@ -26,6 +26,7 @@ from typing import NoReturn
 from allhands import __version__
 from allhands.cli import data, inspect, jobs
 from allhands.errors import AllhandsError, Interrupted
+from allhands.launch import owner
 
 # Warnings a user of the command cannot act on, filtered here and nowhere else. DCP warns that
 # it loads "in a single process" whenever no process group exists, which is what `export` and
@@ -67,6 +68,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself: the process is ours (launch/owner.py)
+        owner.mark_own()
     code = _run(argv)
     if argv is None:  # the command itself
         _leave(code)

@@ -88,11 +88,8 @@ def _config_from(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     t0 = time.time()
-    from allhands.launch import forkstart
     from allhands.launch.launcher import train_job
     from allhands.launch.rundir import completed_step
-
-    forkstart.own_process()  # this command's workers are forked from it (forkstart.py)
 
     if args.verbose:  # the rest of the start-up is said by the launcher and rank 0
         print(f"allhands: importing torch and the launcher took {time.time() - t0:.3f} s",
@@ -114,10 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     from allhands.drill import run_drill
-    from allhands.launch import forkstart
     from allhands.launch.rundir import with_data
-
-    forkstart.own_process()
 
     if args.faults < 1:
         raise ConfigError(f"--faults: {args.faults} is not allowed; must be >= 1")

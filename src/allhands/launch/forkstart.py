@@ -41,7 +41,7 @@ in the child with ``pthread_atfork``).
 **Forked, not spawned, in allhands' own processes.** multiprocessing spawns the server: a new
 interpreter that imports torch and the trainer again (about 3.5 s of CPU, most of a short job's
 start-up, and once more in every replica group's launcher). A process that is allhands' own (the
-``allhands`` command, a launcher this module started: :func:`own_process`) forks the server from
+``allhands`` command, a launcher this module started: launch/owner.py) forks the server from
 itself instead, with what it already imported; the server then closes every descriptor but its
 socket, its pipe and the standard three, and freezes the heap it was handed (``gc.freeze``: no
 finalizer of the launcher's objects runs in it), so it holds what a spawned one holds. Anywhere
@@ -68,6 +68,7 @@ from typing import Any, Callable
 
 import torch
 
+from allhands.launch import owner
 # What the server imports once: the workers' entry point (launcher.worker_entry) and the worker
 # (the trainer, torch, DCP), and torch._dynamo, which DDP's constructor, FSDP and torch.compile
 # import on first use (about 1 s of CPU per worker here, every worker at once at start-up).
@@ -82,13 +83,6 @@ SERVER_ENV = "ALLHANDS_FORKSERVER"
 
 _lock = threading.Lock()
 _server_pid: list[int | None] = [None]  # the forkserver this module started
-_own = [False]  # this process is allhands' own: its server may be forked from it (own_process)
-
-
-def own_process() -> None:
-    """Mark this process as allhands' own (the ``allhands`` command): :func:`ensure_server` may
-    fork the server from it. Every process forked from a server of ours is marked already."""
-    _own[0] = True
 
 
 def ensure_server() -> str:
@@ -106,7 +100,7 @@ def ensure_server() -> str:
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
             os.environ[SERVER_ENV] = "1"  # inherited by the server only
             try:
-                if _own[0] and not torch.cuda.is_initialized() and not _running(fs):
+                if owner.is_own() and not torch.cuda.is_initialized() and not _running(fs):
                     _fork_server(fs)
                 else:
                     forkserver.ensure_running()  # a no-op while ours runs; a new one if it died
@@ -195,7 +189,7 @@ def _at_server_exit(server: int, parent: int) -> None:
 if SERVER_ENV in os.environ:  # imported by the preload of a server ensure_server started
     os.environ.pop(SERVER_ENV)
     atexit.register(_at_server_exit, os.getpid(), os.getppid())
-    _own[0] = True  # what it forks runs our code alone
+    owner.mark_own()  # what it forks runs our code alone
 
 
 class Inherited:

@@ -44,7 +44,7 @@ from allhands.paths import group_dir
 from allhands.config import Config
 from allhands.env import REPLICA_ENV, REPLICA_SECRET_ENV
 from allhands.errors import Interrupted, LaunchError
-from allhands.launch import forkstart, stop
+from allhands.launch import forkstart, owner, stop
 from allhands.launch.storehost import HostedStore
 from allhands.launch.supervisor import _alive
 from allhands.stopflag import STOP_SIGNALS, signal_of
@@ -183,7 +183,7 @@ def group_main(cfg_dict: dict, job: Any, group: int, groups: int, coordinates: s
     The quorum's ``coordinates`` (env.py ``replica_env``) and ``secret`` ("" with --insecure) reach
     the workers through the environment (the secret comes here through a pipe, not argv)."""
     os.environ[REPLICA_ENV], os.environ[REPLICA_SECRET_ENV] = coordinates, secret
-    forkstart.own_process()  # spawned (no server to fork it from), it runs this alone
+    owner.mark_own()  # spawned (no server to fork it from), it runs this alone
     cfg = Config.from_dict(cfg_dict)
     run_dir = Path(cfg.run.dir)
     where = slot_dir(run_dir, group, groups)
