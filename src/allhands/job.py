@@ -36,6 +36,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+# Both default losses only flatten the leading dims, cast and call F.cross_entropy (targets of
+# -100 ignored), which torch's loss_parallel computes on logits sharded on the vocabulary; under
+# tp the layout hands them such logits (parallel/tensor.py), a user's loss gets them gathered.
+lm_loss.vocab_parallel = True  # type: ignore[attr-defined]
+
+
 class TokenMeanLoss:
     """Next-token cross entropy averaged over the targets that carry loss (not -100) in the
     whole global batch, for data with a loss mask (instruction examples).
@@ -47,6 +53,8 @@ class TokenMeanLoss:
     whose results the step averages: data-parallel ranks x micro-batches x pipeline
     microbatches). The 1/micro-batches and 1/microbatches scales and the gradient average over
     ranks then give exactly sum / count over the global batch, at any world size."""
+
+    vocab_parallel = True  # takes vocabulary-sharded logits under tp (see lm_loss)
 
     def __init__(self):
         self.per_call = 1.0

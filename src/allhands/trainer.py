@@ -167,9 +167,10 @@ class Trainer(RunCheckpoints):
                 self.tokens_per_sample = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1
             # fault.inject "nan" poisons the step's first loss
             on_loss = (lambda loss: self.faults.after_forward(step + 1, loss)) if i == 0 else None
-            with self.strategy.micro_step(self.model, last=i == len(micro) - 1):
+            last = i == len(micro) - 1  # only its backward reduces the step's gradients
+            with self.strategy.micro_step(self.model, last=last):
                 with self.layout.autocast():
-                    loss = self.layout.forward_backward(x, y, 1.0 / len(micro), on_loss)
+                    loss = self.layout.forward_backward(x, y, 1.0 / len(micro), on_loss, last=last)
             if loss is not None:
                 loss_sum += loss
         self.layout.after_backward()

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
 from allhands.memory import log_memory, state_bytes
@@ -26,8 +27,10 @@ from allhands.models.moe import set_aux_scale, update_expert_bias
 from allhands.optim import build_optimizer
 from allhands.parallel.expert import reduce_expert_grads
 from allhands.parallel.context import ContextParallel
+from allhands.parallel.fsdp import no_gradient_sync
 from allhands.parallel.parallelize import clip_grad_norm, parallelize
 from allhands.parallel.pipeline import Pipeline, build_pipeline, clip_grads, global_grad_norm
+from allhands.parallel.tensor import local_loss, loss_context
 from allhands.parallel.zero1 import apply_zero1, optimizer_for_checkpoint
 from allhands.sync.base import SyncStrategy
 
@@ -79,6 +82,7 @@ class Layout:
     precision: Precision
     pipeline: Pipeline | None = None
     cp: ContextParallel | None = None  # parallel.cp > 1: this rank's part of every sequence
+    vocab_parallel: bool = False  # the loss runs on vocabulary-sharded logits (parallel/tensor.py)
 
     @property
     def replica_dim(self) -> str:
@@ -102,11 +106,13 @@ class Layout:
         return contextlib.nullcontext()
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float,
-                         on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
-                         ) -> torch.Tensor | None:
+                         on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         last: bool = True) -> torch.Tensor | None:
         """Forward and backward of one micro-batch, its loss scaled by ``scale``; returns that
         loss, or None on a rank without the last stage. ``on_loss`` sees the loss before
-        backward (fault injection); a pipeline's schedule computes its loss inside and skips it."""
+        backward (fault injection); a pipeline's schedule computes its loss inside and skips it.
+        ``last``: the step's last micro-batch, whose backward reduces the gradients of all of
+        them (:meth:`_accumulating`)."""
         # MoE auxiliary losses get the weight of the loss they join (models/moe.py: AuxLoss)
         per_chunk = scale / self.pipeline.n_microbatches if self.pipeline is not None else scale
         for part in self.parts:
@@ -114,11 +120,27 @@ class Layout:
         if self.pipeline is not None:
             # the schedule runs this rank's stages over parallel.pp_microbatches chunks
             return self.pipeline.step(x, y, loss_scale=scale)
-        loss = self._loss(self.model, x, y) * scale
-        if on_loss is not None:
-            loss = on_loss(loss)
-        loss.backward()
+        # torch's loss_parallel rule: the backward of a vocabulary-parallel loss inside it too
+        with self._accumulating(last), loss_context(self.vocab_parallel):
+            loss = self._loss(self.model, x, y) * scale
+            if on_loss is not None:
+                loss = on_loss(loss)
+            loss.backward()
         return loss.detach() if self.cp is None else self.cp.mean(loss)
+
+    def _accumulating(self, last: bool) -> ContextManager:
+        """Around a micro-batch before the step's last: its gradients accumulate where they are,
+        with no collective, and the last backward reduces the sum once: DDP's ``no_sync``, and
+        FSDP2's ``set_requires_gradient_sync(False)`` (torch's docs: accumulation without
+        communication, at the memory of unsharded gradients until then; torchtitan's chunked
+        loss does the same over its head's chunks). A pipeline's schedule reduces at the end of
+        each of its runs itself (torch.distributed.pipelining's ``perform_reduce_grad``), so it
+        is left alone."""
+        if last or self.pipeline is not None:
+            return contextlib.nullcontext()
+        if isinstance(self.model, DDP):
+            return self.model.no_sync()
+        return no_gradient_sync(self.parts)
 
     def after_backward(self) -> None:
         """After the step's last backward: tied copies on different stages sum their gradients."""
@@ -143,17 +165,18 @@ class Layout:
         """The unscaled loss of one batch without gradients (None on a rank without the last stage)."""
         if self.pipeline is not None:
             return self.pipeline.eval(x, y)
-        loss = self._loss(self.parts[0], x, y)
+        with loss_context(self.vocab_parallel):
+            loss = self._loss(self.parts[0], x, y)
         return loss if self.cp is None else self.cp.mean(loss)
 
     def _loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``module``'s loss on a batch; under cp on this rank's part of each sequence, with
-        attention over all of it (parallel/context.py)."""
+        """``module``'s loss on a batch, a plain tensor; under cp on this rank's part of each
+        sequence, with attention over all of it (parallel/context.py)."""
         if self.cp is None:
-            return self.loss_fn(module(x), y)
+            return local_loss(self.loss_fn(module(x), y))
         x, y, kw = self.cp.shard(x, y)
         with self.cp.attention():
-            return self.loss_fn(module(x, **kw), y)
+            return local_loss(self.loss_fn(module(x, **kw), y))
 
     def train(self) -> None:
         for part in self.parts:
@@ -190,6 +213,10 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
     it, so a strategy's snapshot (DiLoCo's anchor) holds the loaded weights."""
     p = cfg.parallel
     prec = choose_precision(cfg.run.precision, mesh.device.type, p.zero, p.reduce_dtype)
+    # The default losses take logits sharded on the vocabulary (job.py); a user's loss, and a
+    # pipeline's (its schedule runs backward outside loss_parallel), get them gathered.
+    vocab_parallel = (mesh.size("tp") > 1 and mesh.size("pp") == 1
+                      and bool(getattr(loss_fn, "vocab_parallel", False)))
     pipeline = None
     parts = [model]
     if mesh.size("pp") > 1:
@@ -206,8 +233,8 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
                           param_dtype=prec.param_dtype, reduce_dtype=prec.reduce_dtype,
                           replicate=not strategy.reconciles_replicas,
                           sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
-                          pipeline_stage=pipeline is not None, compile=cfg.run.compile,
-                          materialize=load)
+                          loss_parallel=vocab_parallel, pipeline_stage=pipeline is not None,
+                          compile=cfg.run.compile, materialize=load)
         return strategy.wrap(out, mesh)
 
     wrapped = [cut(part) for part in parts]
@@ -229,4 +256,4 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
     if mesh.device.type == "cuda":  # the logged peak is the training's, not the start-up's
         torch.cuda.reset_peak_memory_stats(mesh.device)
     return Layout(parts, wrapped[0] if len(wrapped) == 1 else wrapped, optimizer, mesh, loss_fn,
-                  p.zero, prec, pipeline, cp)
+                  p.zero, prec, pipeline, cp, vocab_parallel)

@@ -43,8 +43,8 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | None
 def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none",
                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                 bucket_mb: float = 25.0, replicate: bool = True, sequence_parallel: bool = True,
-                tp_plan: TPPlan | PlanFn | None = None, pipeline_stage: bool = False,
-                compile: bool = False,
+                tp_plan: TPPlan | PlanFn | None = None, loss_parallel: bool = False,
+                pipeline_stage: bool = False, compile: bool = False,
                 materialize: Callable[[nn.Module], Any] | None = None) -> nn.Module:
     """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order and
     return the module the loop runs forward/backward on.
@@ -55,7 +55,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     replicas every step here (DDP's all-reduce, FSDP's hybrid all-reduce); a sync strategy that
     reconciles replicas itself (DiLoCo) passes False and only dp_shard is covered here.
     ``sequence_parallel``/``tp_plan``: tensor parallelism over ``tp`` (see tensor.py; the plan
-    defaults to the model's ``tp_plan`` method). ``pipeline_stage``: ``model`` is one pipeline
+    defaults to the model's ``tp_plan`` method); ``loss_parallel``: a shipped family's head hands
+    the loss vocabulary-sharded logits. ``pipeline_stage``: ``model`` is one pipeline
     stage, replicated with composable ``replicate`` instead of DDP (see ddp.py). ``compile``:
     ``torch.compile`` each block in place (run.compile). ``materialize(model)``: allocates and
     fills a model built on the meta device (or fills a real one in place) once it is cut: after
@@ -64,7 +65,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     """
     fill = materialize or (lambda m: m)
     if mesh.size("tp") > 1:
-        apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan)
+        apply_tp(model, mesh.get("tp"), sequence_parallel=sequence_parallel, plan=tp_plan,
+                 loss_parallel=loss_parallel)
     if mesh.size("ep") > 1:  # after TP, before AC and FSDP, as torchtitan's parallelize_deepseekv3
         apply_ep(model, mesh)
     blocks = transformer_blocks(model)

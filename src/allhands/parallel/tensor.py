@@ -15,18 +15,28 @@ bytes as Megatron's two all-reduces) and LayerNorm activations are stored once p
 Parameters tied before parallelizing (GPT's ``tok_emb``/``lm_head``) are tied again afterwards,
 provided the plan gives them the same placement (the embedding is row-wise and the head
 column-wise: both shard the vocabulary dim 0), so their gradients accumulate into one DTensor.
+
+Vocabulary-parallel loss (``loss_parallel=True``, as torchtitan trains under tp): the head's
+output stays a DTensor ``(B, T, V)`` sharded on the vocabulary, each rank holding
+``(B, T, V/tp)``, and the cross entropy runs on the shards inside torch's ``loss_parallel()``
+(:func:`loss_context`): an all-reduce of the row max and of the sum of exponentials, ``(B, T)``
+each, and one of the target's logit, instead of all-gathering ``(B, T, V)`` logits to every rank
+and computing the same loss tp times (2.1 GB of fp32 logits per 8k-token sequence at a 128k
+vocabulary).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 from torch.distributed.tensor.parallel.style import distribute_module
 
 from allhands.models import GPT, Llama
@@ -119,14 +129,15 @@ def _get_param(model: nn.Module, fqn: str) -> nn.Parameter:
     return getattr(model.get_submodule(mod_name), p_name)
 
 
-def gpt_tp_plan(model: GPT, sequence_parallel: bool = True) -> TPPlan:
+def gpt_tp_plan(model: GPT, sequence_parallel: bool = True, *,
+                loss_parallel: bool = False) -> TPPlan:
     """The reference GPT's plan, the default for a GPT (torchtitan llama3's, with a learned position embedding).
 
     Shapes with sequence parallel on, per rank: tok_emb out ``(B, T/tp, C)`` (row-wise over the
     vocabulary: each rank looks up its vocabulary rows, then a reduce-scatter over T);
     qkv/fc out ``(B, T, 3C/tp)`` / ``(B, T, 4C/tp)``; lm_head in ``(B, T, C)`` (all-gathered),
-    out ``(B, T, V)`` replicated for the loss. ``model`` may be a pipeline stage: absent parts are
-    left out of the plan.
+    out (:func:`head_style`) ``(B, T, V/tp)`` for a vocabulary-parallel loss, else ``(B, T, V)``
+    replicated. ``model`` may be a pipeline stage: absent parts are left out of the plan.
     """
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
@@ -149,11 +160,12 @@ def gpt_tp_plan(model: GPT, sequence_parallel: bool = True) -> TPPlan:
         })
     if getattr(model, "lm_head", None) is not None:
         plan["ln_f"] = SequenceParallel() if sp else ReplicateParallel(use_local_output=False)
-        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        plan["lm_head"] = head_style(seq, loss_parallel)
     return plan
 
 
-def llama_tp_plan(model: Llama, sequence_parallel: bool = True) -> TPPlan:
+def llama_tp_plan(model: Llama, sequence_parallel: bool = True, *,
+                  loss_parallel: bool = False) -> TPPlan:
     """The Llama family's plan (torchtitan's ``models/llama3`` and ``models/qwen3`` parallelize).
 
     Per block, with sequence parallel on: attn_norm/mlp_norm SequenceParallel over T; q/k/v
@@ -207,22 +219,52 @@ def llama_tp_plan(model: Llama, sequence_parallel: bool = True) -> TPPlan:
             plan[f"{b}.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if getattr(model, "lm_head", None) is not None:
         plan["norm"] = norm()
-        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        plan["lm_head"] = head_style(seq, loss_parallel)
     return plan
 
 
+def head_style(seq, loss_parallel: bool) -> ColwiseParallel:
+    """The output head, column-wise over the vocabulary, its input all-gathered from ``seq``.
+    ``loss_parallel``: its output stays the vocabulary-sharded DTensor ``(B, T, V/tp)`` for
+    :func:`loss_context` (torchtitan v0.2.0's ``parallelize_llama``: ``output_layouts=Shard(-1)``,
+    ``use_local_output=False``; later releases run the same algorithm in a function of their
+    own); else it is all-gathered to a plain ``(B, T, V)`` on every rank, for a loss that needs
+    the whole vocabulary (a user's)."""
+    if loss_parallel:
+        return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+
+
+def loss_context(enabled: bool) -> ContextManager:
+    """torch's ``loss_parallel()`` when ``enabled``: ``F.cross_entropy`` on logits sharded on the
+    class dim computes on the shards. Forward and backward both run inside it (torch's rule:
+    its backward ops are replaced too). It swaps only the log-softmax and nll-loss ops of
+    DTensors, so the model's own forward and backward may run inside it as well."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss from :func:`loss_context` as a plain tensor: there it is a DTensor replicated over
+    tp (every rank holds the whole value), which the loop adds to plain tensors."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 # The default plan of each model class allhands ships (a model's own tp_plan method wins).
-FAMILY_PLANS: dict[type, PlanFn] = {GPT: gpt_tp_plan, Llama: llama_tp_plan}
+# Each also takes ``loss_parallel=`` (keyword), which a user's plan function does not.
+FAMILY_PLANS: dict[type, Callable[..., TPPlan]] = {GPT: gpt_tp_plan, Llama: llama_tp_plan}
 
 
-def resolve_plan(model: nn.Module, plan: TPPlan | PlanFn | None, sequence_parallel: bool) -> TPPlan:
+def resolve_plan(model: nn.Module, plan: TPPlan | PlanFn | None, sequence_parallel: bool,
+                 loss_parallel: bool = False) -> TPPlan:
     """The plan to use: an explicit dict, a callable ``(model, sequence_parallel)``, or the
-    model's own ``tp_plan(sequence_parallel)`` method (a shipped family's default: ``FAMILY_PLANS``)."""
+    model's own ``tp_plan(sequence_parallel)`` method (a shipped family's default:
+    ``FAMILY_PLANS``). ``loss_parallel``: a shipped family's head keeps its vocabulary-sharded
+    output (:func:`head_style`); a user's plan decides its head itself."""
     if plan is None:
         own = getattr(model, "tp_plan", None)
         family = next((fn for cls, fn in FAMILY_PLANS.items() if isinstance(model, cls)), None)
         if own is None and family is not None:
-            return family(model, sequence_parallel)
+            return family(model, sequence_parallel, loss_parallel=loss_parallel)
         if own is None:
             raise ValueError(f"parallel.tp: the model {type(model).__name__} has no tensor-parallel "
                              "plan; give it a tp_plan(sequence_parallel) method or pass "
@@ -234,15 +276,16 @@ def resolve_plan(model: nn.Module, plan: TPPlan | PlanFn | None, sequence_parall
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
-             plan: TPPlan | PlanFn | None = None) -> nn.Module:
+             plan: TPPlan | PlanFn | None = None, loss_parallel: bool = False) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` with ``plan`` (see :func:`resolve_plan`).
+    ``loss_parallel``: the loss takes vocabulary-sharded logits (:func:`loss_context`).
 
     Must run first, before activation checkpointing and FSDP/DDP (torchtitan's order): FSDP then
     shards the DTensor parameters further over the data-parallel dims (2-D parameters).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D tp mesh, got {tp_mesh.ndim} dims")
-    styles = resolve_plan(model, plan, sequence_parallel)
+    styles = resolve_plan(model, plan, sequence_parallel, loss_parallel)
     missing = [fqn for fqn in styles if _find(model, fqn) is None]
     if missing:
         raise ValueError(f"parallel.tp: the TP plan names modules the model does not have: "

@@ -4,8 +4,8 @@ for hybrid sharding, all-reduce across replicas); DDP's all-reduce optionally co
 of torch's DDP communication hooks.
 
 With DDP, accumulation micro-steps run under ``no_sync`` so only the last one communicates; DDP
-overlaps the bucketed all-reduce with the rest of that backward pass. FSDP reduce-scatters every
-micro-step: that keeps gradients sharded (ZeRO-2/3's memory saving) at the cost of more traffic.
+overlaps the bucketed all-reduce with the rest of that backward pass. FSDP, likewise, reduces
+only in the last micro-step's backward (the layout's ``_accumulating``, parallel/layout.py).
 Every DDP bucket goes through :func:`_metered`, which records the size handed to the collective
 and when it was in flight, so bytes and exposed communication are measured in every DDP run
 (compressed or not). FSDP's collectives are not metered here (bench/sharding.py counts them).
