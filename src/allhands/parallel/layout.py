@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allhands.config import Config, pp_microbatches, pp_stages_per_rank
@@ -179,8 +180,15 @@ class Layout:
             return local_loss(self.loss_fn(module(x, **kw), y))
 
     def train(self) -> None:
+        """Back to training after :meth:`eval`. A forward without backward leaves the FSDP units
+        that keep their parameters gathered after forward (the head, the root; every unit under
+        ZeRO-2) gathered, and the next forward would use those copies even if the shards were
+        loaded in between (a replica group's heal, a resume): they are resharded here."""
         for part in self.parts:
             part.train()
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def eval(self) -> None:
         for part in self.parts:
