@@ -117,8 +117,7 @@ def layout_of(cfg: Config, world: int) -> Layout:
     pp = s["pp"]
     kw = dict(microbatches=pp_microbatches(p, pp) if pp > 1 else 1, ac=p.ac, compile=cfg.run.compile,
               cp=s.get("cp", 1), ep=p.ep)
-    names = {f.name for f in dataclasses.fields(Layout)}
-    if pp > 1 and "schedule" in names:  # a planner that prices each pipeline schedule
+    if pp > 1:
         kw.update(schedule=p.pp_schedule, stages_per_rank=pp_stages_per_rank(p))
     return Layout(s["dp_replicate"], s["dp_shard"], s["tp"], pp, p.zero, **kw)
 
@@ -201,7 +200,7 @@ def _agrees(layout: Layout, cfg: Config, world: int) -> bool:
 
 def _key(layout: Layout) -> tuple:
     """What a config sets of a layout (a pipeline's microbatches and schedule only under pp)."""
-    pipe = (layout.microbatches, getattr(layout, "schedule", ""), getattr(layout, "stages_per_rank", 1))
+    pipe = (layout.microbatches, layout.schedule, layout.stages_per_rank)
     return (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.cp, layout.zero, layout.ep,
             layout.ac, layout.compile, pipe if layout.pp > 1 else ())
 
