@@ -120,6 +120,26 @@ def test_private_tmp_is_private_and_removed_and_stale_ones_are_swept(tmp_path, m
     assert not private.exists() and tempfile.gettempdir() == str(tmp_path)
 
 
+def test_a_sweep_landing_while_another_launcher_makes_its_directory_leaves_it(tmp_path, monkeypatch):
+    """Replica groups start their launchers at once: one's sweep can run between another's
+    making its private directory and locking it. Here every directory made is swept at once
+    (another launcher's sweep, at the worst moment): the directory being made survives."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = tempfile.mkdtemp
+
+    def made_then_swept(*args, **kwargs):
+        path = made(*args, **kwargs)
+        safefs.sweep_stale(tmp_path)
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", made_then_swept)
+    with safefs.private_tmp() as private:
+        assert private.is_dir() and private.name.startswith(f"allhands-{os.geteuid()}-")
+        monkeypatch.setattr(tempfile, "mkdtemp", made)
+        assert safefs.sweep_stale(tmp_path) == [] and private.is_dir()
+    assert not private.exists() and os.listdir(tmp_path) == []
+
+
 # --------------------------------------------------------------------------- run directories
 
 

@@ -65,9 +65,14 @@ def private_tmp() -> Iterator[Path]:
     """
     shared = tempfile.gettempdir()
     sweep_stale(Path(shared))
-    path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.geteuid()}-", dir=shared))
-    held = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # not inherited (O_CLOEXEC by default)
+    # Made under a name the sweep does not match, locked, then renamed: a directory under the
+    # swept name is locked from its first instant, so two launchers starting together (replica
+    # groups forked at once) cannot sweep each other's before it is locked.
+    pending = Path(tempfile.mkdtemp(prefix=f".{_PREFIX}{os.geteuid()}-", dir=shared))
+    held = os.open(pending, os.O_RDONLY | os.O_DIRECTORY)  # not inherited (O_CLOEXEC by default)
     fcntl.flock(held, fcntl.LOCK_EX)
+    path = Path(shared) / pending.name[1:]
+    os.rename(pending, path)  # the random suffix is mkdtemp's: no other directory has this name
     saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = str(path)
     os.environ["TMPDIR"] = str(path)
