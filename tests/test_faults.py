@@ -151,6 +151,29 @@ def test_nan_rollback_reaches_the_undisturbed_parameters(token_dir, tmp_path, un
     assert_same(weights(ref_cfg, run_dir / "checkpoints" / "step-00000006"), ref)
 
 
+def test_a_nan_between_logged_steps_is_skipped_on_the_device_alike(token_dir, tmp_path, capfd):
+    """log.interval=3: the NaN at step 2 is skipped by the fused optimizer on the device, read at
+    step 3 (no host sync at step 2), to the parameters of the run that reads it at step 2; two
+    in a row between logged steps stop the run at the logged step, naming the last one."""
+    runs = {}
+    for interval in (3, 1):
+        run_dir = tmp_path / f"every-{interval}"
+        cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=0:2:nan", f"log.interval={interval}")
+        train_job(cfg, LaunchSpec(nproc=2))
+        runs[interval] = (cfg, run_dir)
+    assert "non-finite loss or gradient at step 2; update skipped (1 so far)" in capfd.readouterr().err
+    rows = {m["step"]: m for m in metrics(runs[3][1]) if "loss" in m}
+    assert sorted(rows) == [3, 6] and rows[3]["nonfinite_skips"] == 1
+    final = [weights(cfg, d / "checkpoints" / "step-00000006") for cfg, d in runs.values()]
+    assert_same(final[0], final[1])
+    run_dir = tmp_path / "two-in-a-row"
+    cfg = tiny_config(token_dir, run_dir, *JOB, "fault.inject=0:4:nan,1:5:nan", "fault.max_nonfinite=2",
+                      "log.interval=3", "checkpoint.interval=3")
+    with pytest.raises(LaunchError, match=r"non-finite loss or gradient in 2 steps in a row up to step 5"):
+        train_job(cfg, LaunchSpec(nproc=2))
+    assert [s for s, _ in committed(run_dir / "checkpoints")] == [3]  # nothing after the bad steps
+
+
 def test_nan_skip_counts_continues_and_stops_after_n_in_a_row(token_dir, tmp_path):
     # Steps 2 and 4 are skipped with a good step between them; step 5 is the 2nd bad one in a row.
     run_dir = tmp_path / "run"

@@ -4,7 +4,7 @@ torch's optimizers default to foreach kernels on CUDA only (``_default_to_fused_
 so a GPU run takes a path the CPU suite never takes. Under ep the parameters are plain tensors
 (or FSDP's DTensors on the dense mesh) and the experts' DTensors on the expert mesh; a foreach
 kernel over one list of both raises ("_foreach_mul_ got mixed torch.Tensor and DTensor"). Here
-every worker forces foreach, and ep=2 must still train to the single-process reference's
+every worker forces foreach (the fused AdamW, optim.py, leaves the SGD run to it), and ep=2 must still train to the single-process reference's
 parameters. The gradient norm of the clip (parallel/pipeline.py ``global_grad_norm``) takes
 ``_foreach_norm`` on CPU already (torch 2.13's ``clip_grad`` counts the CPU in its foreach
 default), one call per mesh."""
@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from allhands.job import Job, build_reference_model
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.optim import build_optimizer
-from allhands.parallel.pipeline import global_grad_norm
+from allhands.parallel.pipeline import clip_grads, global_grad_norm
 
 from conftest import tiny_config
 from test_expert_parallel import MOE
@@ -104,5 +105,51 @@ def test_param_groups_hold_one_kind_of_tensor_each(token_dir, tmp_path, monkeypa
         norm = global_grad_norm(list(m.parameters()))
         assert len(seen) == 3 and all(len(kinds) == 1 for kinds in seen), seen
         assert torch.allclose(norm, torch.tensor(20.0).sqrt())  # 4 + 2 + 4 + 2 + 8 ones
+    finally:
+        dist.destroy_process_group()
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value on the host (``item``, ``float``, ``bool``: ATen's
+    ``_local_scalar_dense``), each a device-to-host sync on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 100.0])
+def test_the_clip_of_mixed_meshes_stays_on_the_device(max_norm):
+    """The clip of tp, pp and ep layouts (parallel/pipeline.py): the norm over plain tensors and
+    DTensors of two meshes, then the scaling, read nothing back to the host (a GPU step would
+    stall on it), and scale as torch's ``clip_grad_norm_`` does on the same values."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dense = init_device_mesh("cpu", (1,), mesh_dim_names=("dense",))
+        expert = init_device_mesh("cpu", (1, 1), mesh_dim_names=("edp", "ep"))["ep"]
+        torch.manual_seed(0)
+        values = [torch.randn(3, 4), torch.randn(4), torch.randn(2, 3, 4)]
+        params = [nn.Parameter(torch.zeros(3, 4)),
+                  nn.Parameter(DTensor.from_local(torch.zeros(4), dense, [Replicate()])),
+                  nn.Parameter(DTensor.from_local(torch.zeros(2, 3, 4), expert, [Shard(0)]))]
+        for p, v in zip(params, values):
+            p.grad = v.clone() if not isinstance(p, DTensor) else DTensor.from_local(
+                v.clone(), p.device_mesh, p.placements)
+        reference = [nn.Parameter(torch.zeros_like(v)) for v in values]
+        for p, v in zip(reference, values):
+            p.grad = v.clone()
+        want = torch.nn.utils.clip_grad_norm_(reference, max_norm)
+        with _HostReads() as seen:
+            norm = global_grad_norm(params)
+            clip_grads(params, max_norm, norm)
+        assert seen.reads == 0
+        assert torch.allclose(norm, want)
+        for p, r in zip(params, reference):
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            assert torch.equal(g, r.grad), (max_norm, g, r.grad)
     finally:
         dist.destroy_process_group()

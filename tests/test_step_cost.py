@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from allhands.heartbeat import WRITE_EVERY_S, Heartbeat, read_heartbeats
 from allhands.launch.launcher import LaunchSpec, launch
 from allhands.launch.rundir import resolve_run
@@ -25,12 +27,15 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "send", "recv", "isend", "irecv")
 
 
-def _counting_worker(cfg_dict: dict, out: str) -> None:
-    """One rank: train with every torch.distributed collective wrapped; write, per step, the
-    collectives it issued, each tagged 'grad' when DDP's comm hook issued it."""
+def _counting_worker(cfg_dict: dict, out: str, wrap: bool) -> None:
+    """One rank: train with every torch.distributed collective wrapped (``wrap``; the pipeline's
+    P2POp accepts only torch's own isend/irecv); write, per step, the collectives it issued, each
+    tagged 'grad' when DDP's comm hook issued it, and the values read back to the host."""
     import traceback
 
+    import torch
     import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from allhands import agree
     from allhands.config import Config
@@ -55,28 +60,61 @@ def _counting_worker(cfg_dict: dict, out: str) -> None:
                 return fn(*args, **kwargs)
             return wrapper
 
-        for name in COLLECTIVES:
+        for name in COLLECTIVES if wrap else ():
             setattr(dist, name, counted(name, getattr(dist, name)))
         train_step = trainer.train_step
+        reads: dict[int, int] = {}
+
+        class HostReads(TorchDispatchMode):  # item/float/bool of a tensor: a GPU's host sync
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    reads[current[0]] = reads.get(current[0], 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(t):  # a CPU tensor's tolist reads memory without a dispatch: count it
+            if current[0] in reads:
+                reads[current[0]] += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
 
         def numbered(step: int):
             current[0] = step + 1
-            return train_step(step)
+            reads[step + 1] = 0
+            with HostReads():
+                return train_step(step)
 
         trainer.train_step = numbered
         trainer.fit()
         (Path(out) / f"rank{mesh.rank}.json").write_text(json.dumps(calls))
+        (Path(out) / f"reads{mesh.rank}.json").write_text(json.dumps(reads))
         mesh.destroy()
 
 
-def test_a_step_that_does_not_log_issues_only_the_gradients_collectives(token_dir, tmp_path):
+def _count(token_dir, tmp_path, *extra: str) -> Path:
+    """Train 6 steps logging every 3rd on 2 ranks, counting; the folder of the counts."""
     cfg = tiny_config(token_dir, tmp_path / "run", "run.steps=6", "log.interval=3",
-                      "data.eval_batches=0", "run.threads=1")
+                      "data.eval_batches=0", "run.threads=1", *extra)
     cfg = resolve_run(cfg, resume=None, world_size=2)
     out = tmp_path / "out"
     out.mkdir()
-    launch(_counting_worker, (cfg.to_dict(), str(out)), LaunchSpec(nproc=2), threads=1)
+    launch(_counting_worker, (cfg.to_dict(), str(out), not extra), LaunchSpec(nproc=2), threads=1)
+    return out
+
+
+def _host_reads(out: Path, rank: int) -> dict[int, int]:
+    return {int(k): v for k, v in json.loads((out / f"reads{rank}.json").read_text()).items()}
+
+
+def test_a_step_that_does_not_log_issues_only_the_gradients_collectives(token_dir, tmp_path):
+    out = _count(token_dir, tmp_path)
     for rank in range(2):
+        reads = _host_reads(out, rank)
+        # no value read back to the host inside a step that does not log (on a GPU each read
+        # waits for the device's queue): the clip's norm and the skip stay on the device
+        assert [reads[s] for s in (2, 4, 5)] == [0, 0, 0], reads
         calls = {int(k): v for k, v in json.loads((out / f"rank{rank}.json").read_text()).items()}
         grads = [c for c in calls[2] if c.startswith("grad:")]
         assert grads and all(c == "grad:all_reduce" for c in grads), calls
@@ -88,6 +126,18 @@ def test_a_step_that_does_not_log_issues_only_the_gradients_collectives(token_di
         # last step then waits for its checkpoint saves on every rank: barriers)
         assert calls[3] == grads + ["loop:all_gather"], (rank, calls)
         assert calls[6][:len(grads) + 1] == grads + ["loop:all_gather"], (rank, calls)
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2", "parallel.zero=3"], ["parallel.tp=2"],
+                                    ["parallel.pp=2"]], ids=["zero3", "tp2", "pp2"])
+def test_a_step_that_does_not_log_reads_nothing_back_on_any_layout(token_dir, tmp_path, layout):
+    """FSDP, tensor and pipeline parallel: the clip's norm over shards and stages, and the skip
+    of a non-finite step, are decided on the device; only a logged step reads values back."""
+    out = _count(token_dir, tmp_path, *layout)
+    for rank in range(2):
+        reads = _host_reads(out, rank)
+        assert [reads[s] for s in (2, 4, 5)] == [0, 0, 0], (rank, reads)
+        assert reads[3] > 0, (rank, reads)  # the logged step reads the verdict: the count sees reads
 
 
 def test_heartbeat_after_the_first_steps_is_written_by_a_thread_with_the_beats_time(tmp_path):

@@ -27,6 +27,7 @@ its peers anyway.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -47,10 +48,21 @@ class StepAgreement:
         self.grads_agree = lockstep and grads_agree
         self.next_check = 0  # the first step after which a lock-step world agrees on a stop
         self._carried = 0  # the stop agreed in this step's flags (per_step only)
+        self._bad: torch.Tensor | None = None  # device counters between two reads (_on_device)
+        self.skipped, self.skipped_at = 0, ""  # updates the last read found skipped, and where
 
-    def update(self, loss_sum: torch.Tensor, gnorm: torch.Tensor, step: int) -> str:
+    def update(self, loss_sum: torch.Tensor, gnorm: torch.Tensor, step: int,
+               skip_on_device: Callable[[torch.Tensor], bool] | None = None, read: bool = True) -> str:
         """Before the optimizer step of ``step``: 'ok', 'skip' or 'rollback', alike on every
-        rank (raises NonFiniteError when the policy stops)."""
+        rank (raises NonFiniteError when the policy stops). ``skip_on_device(bad)``: makes the
+        optimizer's next step skip itself where the 0-dim ``bad`` is 1, False if it cannot
+        (optim.skip_on_device). Where the gradients agree and it can, the skip is decided on the
+        device (:meth:`_on_device`) and 'ok' returned; the host reads the verdict only when
+        ``read`` (a logged step, which syncs anyway)."""
+        self.skipped = 0
+        if self.grads_agree and skip_on_device is not None and self.guard.policy != "rollback":
+            if self._on_device(gnorm, step, skip_on_device, read):
+                return "ok"
         if self.per_step:
             flags = torch.tensor([0.0 if _finite(loss_sum, gnorm) else 1.0, float(self.stop_signal())],
                                  device=self.device)
@@ -63,6 +75,37 @@ class StepAgreement:
         else:  # an asynchronous worker decides alone
             finite = _finite(loss_sum, gnorm)
         return self.guard.check(finite, step)
+
+    def _on_device(self, gnorm: torch.Tensor, step: int,
+                   skip_on_device: Callable[[torch.Tensor], bool], read: bool) -> bool:
+        """The skip without a host sync: the optimizer's fused kernels skip the update where the
+        norm is not finite, and device counters keep what the guard needs (bad steps, the
+        longest run in a row, the first and last bad step), read on a logged step. The guard's
+        verdict for the steps since the last read is applied then: a stop raises, skips are
+        counted in ``skipped``. False where the optimizer cannot skip on the device."""
+        bad = (~torch.isfinite(gnorm)).to(torch.float32)
+        if not skip_on_device(bad):
+            return False
+        if self._bad is None:  # bad steps, in a row now, longest run, first and last bad step
+            self._bad = torch.zeros(5, dtype=torch.float32, device=bad.device)
+            self._bad[1] = float(self.guard.in_row)
+        b = self._bad
+        in_row = (b[1] + 1) * bad
+        at = torch.full((), float(step), device=bad.device)
+        self._bad = torch.stack([b[0] + bad, in_row, torch.maximum(b[2], in_row),
+                                 torch.where((bad > 0) & (b[3] == 0), at, b[3]),
+                                 torch.where(bad > 0, at, b[4])])
+        if not read:
+            return True
+        total, in_row_now, longest, first, last = (int(v) for v in self._bad.tolist())
+        self._bad = None
+        self.guard.in_row = in_row_now
+        if not total:
+            return True
+        where = f"step {last}" if first == last else f"{total} steps from step {first} to {last}"
+        self.guard.check_window(longest, where, last)
+        self.skipped, self.skipped_at = total, where
+        return True
 
     def stop(self, step: int, dt: float, logged: tuple[int, float] | None) -> int:
         """After ``step`` completed: the stop signal every rank agreed on now, 0 if none (or no

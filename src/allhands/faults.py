@@ -270,3 +270,15 @@ class NonFiniteGuard:
                                  f"(fault.max_nonfinite={self.max_in_row}); the run diverged: lower "
                                  f"optim.lr or resume from an earlier checkpoint")
         return self.policy
+
+    def check_window(self, longest: int, where: str, last: int) -> None:
+        """The verdict on steps already skipped on the device (agree.py): raises as
+        :meth:`check` would have at the bad step (``stop``, or ``longest`` bad steps in a row
+        reaching ``max_in_row``); ``where`` names the bad steps."""
+        if self.policy == "stop":
+            raise NonFiniteError(f"non-finite loss or gradient at {where} (fault.nonfinite=stop); "
+                                 f"lower optim.lr or set fault.nonfinite=skip/rollback")
+        if longest >= self.max_in_row:
+            raise NonFiniteError(f"non-finite loss or gradient in {longest} steps in a row up to step "
+                                 f"{last} (fault.max_nonfinite={self.max_in_row}); the run diverged: "
+                                 f"lower optim.lr or resume from an earlier checkpoint")

@@ -34,13 +34,43 @@ def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config,
     groups = by_mesh([{"params": decay, "weight_decay": o.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}])
     if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr)
+        # torch 2.13's DTensor has no sharding rule for the fused SGD kernel: fused on plain tensors
+        return torch.optim.SGD(groups, lr=o.lr, fused=fusable(groups, dtensors=False))
     if o.name == "muon":
         return Muon([{"params": hidden, "weight_decay": o.weight_decay, "muon": True}, *groups],
                     lr=o.lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps,
                     ns_dtype=o.muon_ns_dtype, spread=o.muon_spread, betas=(o.beta1, o.beta2),
                     eps=o.eps, world=world)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             fused=fusable(groups))
+
+
+def fusable(groups: list[dict], dtensors: bool = True) -> bool | None:
+    """True where torch's fused kernels take every parameter (floating point, on a device that
+    has them: CUDA and CPU among them), as torchtitan's default: one kernel per group, and a
+    skipped step decided on the device (:func:`skip_on_device`); None leaves torch's choice."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    params = [p for g in groups for p in g["params"]]
+    return True if params and all(p.is_floating_point() and p.device.type in devices
+                                  and (dtensors or not isinstance(p, DTensor))
+                                  for p in params) else None
+
+
+def skip_on_device(optimizer: torch.optim.Optimizer, bad: torch.Tensor | None) -> bool:
+    """Make ``optimizer``'s next ``step`` a no-op where ``bad`` (a 0-dim float tensor on the
+    device) is 1, decided by its fused kernels without reading ``bad`` on the host (torch's
+    ``found_inf``, as GradScaler drives it; the step count is put back too). False, and nothing
+    set, where some group does not step fused (Muon; a group loaded from an older checkpoint):
+    the caller then decides on the host. ``bad=None`` clears it."""
+    parts = getattr(optimizer, "optimizers", None) or [optimizer]
+    if bad is not None and not all(type(o) in (torch.optim.AdamW, torch.optim.SGD)
+                                   and all(g.get("fused") for g in o.param_groups) for o in parts):
+        return False
+    for o in parts:
+        o.found_inf, o.grad_scale = bad, None
+    return True
 
 
 def by_mesh(groups: list[dict]) -> list[dict]:

@@ -35,7 +35,7 @@ from allhands.job import Job, TokenMeanLoss, build_data, build_reference_model, 
 from allhands.mesh import Mesh
 from allhands.models.init import InitRecord, materializer
 from allhands.metrics import MetricsWriter, slow_phase
-from allhands.optim import lr_lambda
+from allhands.optim import lr_lambda, skip_on_device
 from allhands.parallel.compiled import compile_line, compile_record
 from allhands.parallel.layout import build_layout
 from allhands.parallel.moe_metrics import moe_record
@@ -181,7 +181,9 @@ class Trainer(RunCheckpoints):
         gnorm = self.layout.clip(self.cfg.optim.grad_clip)
         # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
         # Every rank decides alike, with no collective where the gradients agree (agree.py).
-        self.last_action = self.agree.update(loss_sum, gnorm, step + 1)
+        logs = (step + 1) % self.cfg.log.interval == 0 or step + 1 == r.steps
+        self.last_action = self.agree.update(loss_sum, gnorm, step + 1,
+                                             lambda bad: skip_on_device(self.optimizer, bad), read=logs)
         self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":
             self.optimizer.step()
@@ -241,6 +243,10 @@ class Trainer(RunCheckpoints):
                     ts.nonfinite_skips += 1
                     metrics.message(f"allhands: warning: non-finite loss or gradient at step "
                                     f"{ts.step + 1}; update skipped ({ts.nonfinite_skips} so far)")
+                elif self.agree.skipped:  # skipped on the device, read at this logged step
+                    ts.nonfinite_skips += self.agree.skipped
+                    metrics.message(f"allhands: warning: non-finite loss or gradient at "
+                                    f"{self.agree.skipped_at}; update skipped ({ts.nonfinite_skips} so far)")
                 ts.step += 1
                 ts.samples += r.global_batch
                 self.strategy.after_step(ts.step)

@@ -19,12 +19,13 @@ class GlobalSampler:
         self.global_batch = global_batch
         self.seed = seed
         self._perm_epoch = -1
-        self._perm: torch.Tensor | None = None
+        self._perm: list[int] = []
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> list[int]:
+        # a list, read once: indexing a tensor element by element reads each one back
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.n, generator=g)
+            self._perm = torch.randperm(self.n, generator=g).tolist()
             self._perm_epoch = epoch
         return self._perm
 
@@ -33,7 +34,7 @@ class GlobalSampler:
         out = []
         for pos in range(start, start + count):
             epoch, k = divmod(pos, self.n)
-            out.append(int(self._permutation(epoch)[k]))
+            out.append(self._permutation(epoch)[k])
         return out
 
     def global_batch_indices(self, step: int) -> list[int]:

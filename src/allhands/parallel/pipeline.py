@@ -342,39 +342,56 @@ def balanced_split(n_layers: int, n_stages: int, prefix: str = "blocks") -> list
 
 def global_grad_norm(params: list[nn.Parameter], *, pp_group: dist.ProcessGroup | None = None,
                      skip: set[int] = frozenset(), norm_type: float = 2.0) -> torch.Tensor:
-    """The gradient norm of the whole model, as one process would compute it.
+    """The gradient norm of the whole model, as one process would compute it, as a 0-dim tensor
+    on the gradients' device: no host sync (the loop reads it only on a step that logs).
 
     DTensor gradients (TP, FSDP) contribute their full-tensor norm (``full_tensor`` sums the
     partial squares over the sharded mesh dims); plain ones their local norm; then the squares
     are summed over the pipeline stages (torchtitan's ``clip_grad_norm_`` does the same).
     """
+    by_mesh = _by_mesh(params, skip)
+    # summed where the stages reduce it (a stage without gradients takes part too)
+    if pp_group is not None:
+        dev = collective.device(pp_group)
+    else:
+        dev = next((_local(p.grad).device for ps in by_mesh.values() for p in ps), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    for ps in by_mesh.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type)
+        total = total + (_local_full(n).float() ** norm_type).to(dev)
+    if pp_group is not None:
+        collective.all_reduce(total, call="global_grad_norm", group=pp_group)
+    return total ** (1.0 / norm_type)
+
+
+def _by_mesh(params: list[nn.Parameter], skip: set[int] = frozenset()) -> dict[object, list[nn.Parameter]]:
+    """The parameters of ``params`` with a gradient (less ``skip``), one list per DTensor mesh
+    of the gradient (None: plain tensors): torch's foreach kernels refuse a list that mixes them
+    (expert parallelism)."""
     from torch.distributed.tensor import DTensor
 
-    by_mesh: dict[object, list[torch.Tensor]] = {}
+    by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None or id(p) in skip:
             continue
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        by_mesh.setdefault(key, []).append(p.grad)
-    # summed where the stages reduce it (a stage without gradients takes part too), else on the host
-    dev = collective.device(pp_group) if pp_group is not None else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=dev)
-    for mesh, grads in by_mesh.items():
-        n = torch.nn.utils.get_total_norm(grads, norm_type)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        total = total + (n.float() ** norm_type).to(dev)
-    if pp_group is not None:
-        collective.all_reduce(total, call="global_grad_norm", group=pp_group)
-    return total.cpu() ** (1.0 / norm_type)
+        by_mesh.setdefault(key, []).append(p)
+    return by_mesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "device_mesh") else t
+
+
+def _local_full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "device_mesh") else t
 
 
 def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as ``clip_grad_norm_`` does."""
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as ``clip_grad_norm_`` does:
+    on the device, by torch's ``clip_grads_with_norm_`` (foreach where the device has it), one
+    call per mesh, with no host sync."""
     if max_norm <= 0 or not math.isfinite(max_norm):
         return
-    coef = max_norm / (float(total_norm) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    for ps in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total_norm)

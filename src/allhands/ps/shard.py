@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from allhands.config import Config
 from allhands.errors import ConfigError
+from allhands.optim import fusable
 
 
 def server_optimizer(cfg: Config, decay: list[torch.Tensor], no_decay: list[torch.Tensor],
@@ -21,9 +22,9 @@ def server_optimizer(cfg: Config, decay: list[torch.Tensor], no_decay: list[torc
     if name == "auto":
         groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        if o.name == "sgd":
-            return torch.optim.SGD(groups, lr=lr)
-        return torch.optim.AdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        if o.name == "sgd":  # fused as the workers' (optim.fusable), so async on one worker is theirs
+            return torch.optim.SGD(groups, lr=lr, fused=fusable(groups, dtensors=False))
+        return torch.optim.AdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fusable(groups))
     cls = getattr(torch.optim, name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"ps.optimizer: {name!r} is not a torch.optim optimizer; use auto or a "
