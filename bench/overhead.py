@@ -3,8 +3,9 @@ under Lightning Fabric (when installed: the ``bench`` extra).
 
 Same model (the reference GPT), same global batch, same 2 gloo ranks, same data; the loops
 alternate inside the same worker processes (ROUNDS rounds of STEPS steps each, the order
-rotating from round to round), so machine noise hits all alike. allhands logs every
-LOG_INTERVAL steps, as a real run does (the hand-written and Fabric loops log nothing). A step's time is the wall time between two consecutive steps' ends, so it
+rotating from round to round), so machine noise hits all alike. allhands logs at its default
+``log.interval``, as a user's run does (the hand-written and Fabric loops log nothing). A step's
+time is the wall time between two consecutive steps' ends, so it
 holds everything the loop does once per step; a round's figure is the mean over its steps after
 the first two (a mean, not a median, so a cost paid on one step in ten still counts), in wall
 time and in CPU time of rank 0's process (all its threads; other jobs on a shared machine
@@ -29,7 +30,6 @@ sys.path.insert(0, str(ROOT / "src"))
 from common import TIMING_ONLY  # noqa: E402  (bench/ is sys.path[0])
 
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.seq_len=128"]
-LOG_INTERVAL = 10  # torchtitan's default metrics.log_freq
 
 
 def handwritten_steps(cfg, mesh, train_ds, steps: int, fabric=None, params: list | None = None) -> list:
@@ -162,12 +162,12 @@ def main() -> None:
 
     out = tempfile.mkdtemp(prefix="allhands-bench-overhead-")
     cfgs = [resolve_run(load_config(overrides=[
-        *MODEL, f"run.steps={args.steps}", f"run.global_batch={gb}", f"log.interval={LOG_INTERVAL}",
+        *MODEL, f"run.steps={args.steps}", f"run.global_batch={gb}",
         *TIMING_ONLY, f"run.dir={out}/resolve{gb}"]), resume=None, world_size=2).to_dict()
         for gb in args.global_batch]
     launch(worker, (cfgs, args.rounds, args.steps, out), LaunchSpec(nproc=2))
     print(f"rounds={args.rounds} steps/round={args.steps} ranks=2 model={' '.join(MODEL)} "
-          f"log.interval={LOG_INTERVAL}")
+          f"log.interval={cfgs[0]['log']['interval']} (the default)")
     for gb, res in json.loads(Path(out, "result.json").read_text()).items():
         peers = [n for n in ("handwritten", "fabric") if n in res]
         print(f"global batch {gb}: per-round mean step (s): " + "; ".join(

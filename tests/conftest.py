@@ -34,6 +34,7 @@ TINY = [
     "run.steps=4", "run.global_batch=12", "run.eval_interval=0", "run.seed=3",
     "optim.warmup_steps=2", "optim.lr=1e-2", "data.eval_batches=1",
     "checkpoint.interval=0", "log.progress=false", "log.tensorboard=false",
+    "log.interval=1",  # a record per step, which many tests read (the default logs every 10th)
 ]
 
 

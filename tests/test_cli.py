@@ -29,7 +29,7 @@ def test_train_then_report_on_the_embedded_corpus(tmp_path, cli_env):
     assert "allhands: done: steps 12" in r.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "loss" in row]
-    assert [row["step"] for row in steps] == list(range(1, 13))
+    assert [row["step"] for row in steps] == [10, 12]  # log.interval's default, and the last
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "comm_bytes",
                 "comm_wire_bytes", "comm_time", "comm_exposed", "comm_exposed_frac"):
         assert all(isinstance(row[key], float) for row in steps), key
@@ -123,8 +123,6 @@ def test_port_in_use_is_one_clear_line(cli_env, tmp_path):
 def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir):
     """Two 'nodes' on loopback, each `allhands train --nnodes 2 --node-rank i --rdzv-endpoint`,
     train the same job as one node with two workers, to the same parameters."""
-    import torch
-
     from allhands.checkpoint import load_weights
     from allhands.job import build_reference_model
 
@@ -166,4 +164,6 @@ def test_multi_node_command_through_c10d_rendezvous(tmp_path, cli_env, token_dir
     a = load_weights(build_reference_model(cfg, 257), committed(multi / "checkpoints")[-1][1])
     b = load_weights(build_reference_model(cfg, 257), committed(single / "checkpoints")[-1][1])
     for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
-        assert torch.allclose(va, vb, rtol=1e-5, atol=1e-7), k
+        # the suite's parity measure (test_parity.max_rel_diff): the nodes' workers run 2
+        # threads each against 1, so the kernels' summation order, and the last bits, differ
+        assert float((va - vb).norm() / vb.norm().clamp_min(1e-12)) <= 1e-5, (k, (va - vb).abs().max())

@@ -119,4 +119,4 @@ def test_the_chosen_layout_trains(tmp_path, cli_env):
     name = said[0].removeprefix("allhands: layout auto: ").split(",")[0]
     assert f"zero{resolved['zero']}" in name  # the line names the layout the run recorded
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["step"] for s in steps] == [3]  # the last step logs (the default: every 10th too)

@@ -234,7 +234,9 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 class LogConfig:
     """What the run reports and where."""
 
-    interval: int = _f(1, "write a metrics line every this many steps, >= 1")
+    interval: int = _f(10, "write a metrics line every this many steps (and at the last), >= 1; "
+                           "a logged step gathers every rank's record and reads it on the host, "
+                           "the others read nothing back")
     progress: bool = _f(True, "report progress on rank 0: a bar on a terminal, else plain lines")
     progress_s: float = _f(30.0, "when the output is not a terminal (a log file, a pipe): a plain "
                                  "progress line every this many seconds, >= 0; 0 disables")
