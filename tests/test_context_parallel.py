@@ -4,10 +4,13 @@ parameters as one process, alone, under FSDP, and with document masks; resumes o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from allhands.launch.launcher import LaunchSpec, train_job
-from allhands.parallel.context import chunk_index
+from allhands.parallel.context import ContextParallel, chunk_index
 
 from conftest import tiny_config
 from test_parity import assert_matches_reference
@@ -76,6 +79,41 @@ def test_blockwise_causal_attention_equals_sdpa_with_its_gradients():
     have = torch.autograd.grad(got, (q, k, v), g)
     for a, b in zip(have, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("doc_token", [-1, 7], ids=["causal", "documents"])
+def test_the_flex_path_of_cuda_equals_attention_over_the_whole_sequence(doc_token):
+    """The path cp takes on CUDA (FlexAttention, block mask of this rank's chunks over the keys
+    in global order, grouped-query heads in the kernel), run forward on CPU for each rank of
+    cp=2 with the gathered keys in rank order: the rows of the whole sequence's attention (SDPA
+    with a dense causal, per-document mask) at that rank's positions, and the CPU path's."""
+    import torch.nn.functional as F
+
+    from allhands.models.layers import document_positions
+
+    torch.manual_seed(0)
+    B, T, cp = 2, 32, 2
+    x = torch.randint(0, 7, (B, T))
+    if doc_token >= 0:
+        x[0, [5, 17]], x[1, 11] = doc_token, doc_token
+        seg = document_positions(x, doc_token)[1]
+    else:
+        seg = torch.zeros_like(x)
+    allowed = (seg[:, :, None] == seg[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    q, k, v = (torch.randn(B, h, T, 8) for h in (4, 2, 2))
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+    held = torch.cat([chunk_index(T, cp, r) for r in range(cp)])  # the gathered (rank) order
+    for rank in range(cp):
+        mesh = SimpleNamespace(group=lambda dim: None, size=lambda dim: cp, local_rank=lambda dim: rank)
+        mine = chunk_index(T, cp, rank)
+        got = {}
+        for path in ("flex", "sdpa"):
+            part = ContextParallel(mesh, doc_token, path=path)
+            xs, _, kw = part.shard(x, x)
+            assert torch.equal(xs, x[:, mine]) and (part.block_mask is not None) == (path == "flex")
+            got[path] = part.attend(q[:, :, mine], k[:, :, held], v[:, :, held], enable_gqa=True)
+        torch.testing.assert_close(got["flex"], whole[:, :, mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["flex"], got["sdpa"], rtol=1e-5, atol=1e-6)
 
 
 def test_the_planner_prices_cp_and_proposes_it_for_a_sequence_that_does_not_fit():

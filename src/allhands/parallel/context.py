@@ -13,9 +13,13 @@ tokens, targets and their global positions (restarting at each document when the
 documents), and :meth:`ContextParallel.attention` is a ``TorchFunctionMode`` under which each
 ``F.scaled_dot_product_attention`` call gets the gathered keys and values, in the order the
 ranks hold them, and the mask that says which of them each local query may see: earlier
-positions of its own document. Without document masks, on CPU, no mask is built at all
-(``_CausalBlocks``). Its backward sums the key/value gradients back to their
-owners (torch.distributed.nn's all_gather: a reduce-scatter, or all_to_all on gloo).
+positions of its own document. The kernel follows the device (models/layers.py
+``attention_path``): on CUDA, FlexAttention over the gathered keys in global order, with a
+block mask built once per batch (causal over global positions, inside each document) that skips
+every block a query cannot see, grouped-query heads inside the kernel; on CPU, without document
+masks, two flash-attention calls per chunk merged by their log-sum-exp (``_CausalBlocks``, no
+mask at all), and with them SDPA with a dense mask. The gather's backward sums the key/value
+gradients back to their owners (a reduce-scatter, or all_to_all on gloo).
 
 Shapes: full rows ``x``, ``y`` ``(B, T)``; local ``(B, T / cp)``; per layer ``q``
 ``(B, heads, T / cp, hd)``, gathered ``k``, ``v`` ``(B, kv_heads, T, hd)``; the mask
@@ -30,10 +34,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.overrides import TorchFunctionMode
 
 from allhands.mesh import Mesh
-from allhands.models.layers import additive, document_positions
+from allhands.models.layers import additive, attention_path, compiled, document_positions
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -139,6 +144,24 @@ class _CausalBlocks(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _block_mask(mine: torch.Tensor, seg: torch.Tensor):
+    """FlexAttention's block mask of this rank's queries (global positions ``mine``) over the
+    whole sequence's keys in global order: key ``kv`` is seen by query ``q`` when it is not later
+    and in the same document (``seg`` ``(B, T)`` document ids). Built once per batch, shared by
+    every layer and head; compiled on CUDA. A query block of one chunk sees its prefix: the blocks
+    past it are skipped, so the kernel does the causal half of the work."""
+    B, T = seg.shape
+
+    def causal_document(b, h, q_idx, kv_idx):
+        at = mine[q_idx]
+        return (kv_idx <= at) & (seg[b, at] == seg[b, kv_idx])
+
+    make = compiled("create_block_mask") if seg.is_cuda else create_block_mask
+    if seg.is_cuda:
+        compiled("flex_attention")  # made here, outside any compiled block (models/layers.py)
+    return make(causal_document, B, None, mine.numel(), T, device=seg.device)
+
+
 class _GatheredAttention(TorchFunctionMode):
     def __init__(self, owner: "ContextParallel"):
         super().__init__()
@@ -156,22 +179,34 @@ class _GatheredAttention(TorchFunctionMode):
         kv = _GatherSeq.apply(torch.stack([k, v]).movedim(3, 0), o.group)  # (cp T/cp, 2, B, kvh, hd)
         k, v = kv.movedim(0, 3).unbind(0)  # each (B, kvh, T, hd), the ranks' parts in rank order
         kwargs.pop("is_causal", None)
-        if o.mask is None:  # plain causal on CPU: blockwise, with no mask at all
-            k, v = k[:, :, o.order], v[:, :, o.order]  # gathered order -> global order
-            return _CausalBlocks.apply(q, k, v, o.chunks)
-        if o.mask.dtype != q.dtype:  # bf16 q under FSDP's mixed precision: cast once a forward
-            o.mask = o.mask.to(q.dtype)
-        kwargs["attn_mask"] = o.mask  # causal over global positions, inside each document
-        return func(q, k, v, *args[3:], **kwargs)
+        return o.attend(q, k, v, func, *args[3:], **kwargs)
 
 
 class ContextParallel:
     """This rank's part of every sequence and the attention over the whole of it (module doc)."""
 
-    def __init__(self, mesh: Mesh, doc_token: int = -1):
+    def __init__(self, mesh: Mesh, doc_token: int = -1, path: str | None = None):
         self.group, self.size, self.rank = mesh.group("cp"), mesh.size("cp"), mesh.local_rank("cp")
         self.doc_token = doc_token
+        self.path = path  # "flex" or "sdpa"; None: the device's (attention_path)
         self.mask: torch.Tensor | None = None
+        self.block_mask = None  # FlexAttention's BlockMask of the batch (the flex path)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa=F.scaled_dot_product_attention,
+               *args, **kwargs) -> torch.Tensor:
+        """Attention of this rank's queries ``q`` over the gathered ``k``, ``v`` (the ranks'
+        parts in rank order), on the path :meth:`shard` chose for the batch."""
+        if self.block_mask is not None:  # CUDA: FlexAttention, keys in global order
+            k, v = k[:, :, self.order], v[:, :, self.order]
+            flex = compiled("flex_attention") if q.is_cuda else flex_attention
+            return flex(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        if self.mask is None:  # plain causal on CPU: blockwise, with no mask at all
+            k, v = k[:, :, self.order], v[:, :, self.order]  # gathered order -> global order
+            return _CausalBlocks.apply(q, k, v, self.chunks)
+        if self.mask.dtype != q.dtype:  # bf16 q under FSDP's mixed precision: cast once a forward
+            self.mask = self.mask.to(q.dtype)
+        kwargs["attn_mask"] = self.mask  # causal over global positions, inside each document
+        return sdpa(q, k, v, *args, **kwargs)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """This rank's tokens and targets of full rows ``x``, ``y`` and the keyword arguments the
@@ -183,8 +218,12 @@ class ContextParallel:
         pos, seg = documents(x, self.doc_token)
         mine = chunk_index(T, self.size, self.rank).to(x.device)
         held = torch.cat([chunk_index(T, self.size, r) for r in range(self.size)]).to(x.device)
+        self.order, self.block_mask = torch.argsort(held), None
+        if (self.path or attention_path(x.device)) == "flex":
+            self.mask, self.block_mask = None, _block_mask(mine, seg)
+            return x[:, mine], y[:, mine], {"positions": pos[:, mine]}
         if self.doc_token < 0 and x.device.type == "cpu":  # no mask needed: _CausalBlocks
-            self.mask, self.order = None, torch.argsort(held)
+            self.mask = None
             self.chunks = [self.rank, 2 * self.size - 1 - self.rank]
             return x[:, mine], y[:, mine], {"positions": pos[:, mine]}
         # query i (global position mine[i]) may see gathered key j (global position held[j])

@@ -128,7 +128,7 @@ def unverified(layout: Layout, cluster: Cluster) -> str:
         return ""
     parts = ["DDP" if layout.zero == 0 else "ZeRO-1" if layout.zero == 1 else f"FSDP (zero {layout.zero})"]
     parts += ["tp"] if layout.tp > 1 else []
-    parts += ["cp (SDPA with an explicit mask)"] if layout.cp > 1 else []
+    parts += ["cp (FlexAttention)"] if layout.cp > 1 else []
     parts += ["ep"] if layout.ep > 1 else []
     parts += [f"pp {layout.schedule}"] if layout.pp > 1 else []
     parts += ["compile"] if layout.compile else []
@@ -208,8 +208,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
         gathered = {0: p / 2 if bf16 else 0.0, 1: p / 2 if bf16 else 0.0,
                     2: blocks[rank] * block_params + moe * layer_experts,
                     3: 2 * block_params + min(moe, 2) * layer_experts}[layout.zero]
-        mask = mb * t * d.t * act_bytes if cp > 1 and cluster.device == "cuda" else 0.0  # cp's (B, 1, T/cp, T)
-        mem = {**state, "activations": acts, "buffers": gathered + mask + cluster.runtime}
+        mem = {**state, "activations": acts, "buffers": gathered + cluster.runtime}
         mem["total"] = sum(mem.values())
         if worst is None or mem["total"] > worst["total"]:
             worst = mem
@@ -227,7 +226,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     attn_flops = 12 * d.n_head * d.hd * d.t / tp * max(blocks) * tokens_mb
     head_flops = 6 * v * c * tokens_mb / tp
     mm_flops = layers_flops - attn_flops + (head_flops if pp == 1 else head_flops / 2)
-    kern = kernel_seconds(cluster, peak, mm_flops, attn_flops, attention, cp,
+    kern = kernel_seconds(cluster, peak, mm_flops, attn_flops, attention,
                           matmul_size_factor(d, tp, cluster.gemm_k0))
     # the passes were counted on the GPT's element-wise widths (8 C a block); a family's scale with its own
     ew = EW_PASSES[layout.compile] * d.ew_width() / 8 * tokens_mb * c / tp * act_bytes * max(blocks) \
@@ -239,8 +238,6 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, bf16: bool, *, atten
     if attention == "materialized":  # element-wise passes over (mb, heads, T, T) per block
         passes = SCORE_PASSES + (SCORE_PASSES_FWD if layout.ac == "block" else 0.0)
         ew += passes * mb * (d.n_head // tp) * t * t * act_bytes * max(blocks) / (cluster.mem_bw * cluster.ew_eff)
-    elif cp > 1 and cluster.device == "cuda":  # the mask read forward and backward
-        ew += 2 * mb * d.n_head / tp * t * d.t * act_bytes * max(blocks) / (cluster.mem_bw * cluster.ew_eff)
     # forward, input-gradient and weight-gradient shares of a microbatch (the zero-bubble split):
     # matmuls a third each, attention a third forward and two thirds input gradient, the rest
     # (element-wise, launches) a third forward; a recomputed forward's matmuls and attention belong

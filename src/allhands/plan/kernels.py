@@ -19,14 +19,13 @@ def matmul_size_factor(d: Decoder, tp: int, k0: float) -> float:
 
 
 def kernel_seconds(cluster: Cluster, peak: float, mm_flops: float, attn_flops: float, attention: str,
-                   cp: int, size: float = 1.0) -> dict[str, float]:
+                   size: float = 1.0) -> dict[str, float]:
     """Seconds of a microbatch's matmuls (``mm_flops`` at ``gemm_eff`` of peak) and attention
     (``attn_flops``, counted over the full T x T). A fused causal kernel (FlashAttention through
-    SDPA) skips the masked half and runs at ``attn_eff``; under cp on CUDA, SDPA takes an explicit
-    mask (parallel/context.py), so the memory-efficient kernel computes the whole T/cp x T, also
-    at ``attn_eff``; ``materialized`` attention is two batched matmuls over the whole square."""
+    SDPA; under cp on CUDA FlexAttention with a block mask over the gathered keys,
+    parallel/context.py) skips the masked half and runs at ``attn_eff``; ``materialized``
+    attention is two batched matmuls over the whole square."""
     if attention == "materialized":
         return {"mm": (mm_flops * size + attn_flops) / (peak * cluster.gemm_eff), "attn": 0.0}
-    share = 1.0 if cp > 1 and cluster.device == "cuda" else 0.5
     return {"mm": mm_flops * size / (peak * cluster.gemm_eff),
-            "attn": share * attn_flops / (peak * (cluster.attn_eff or cluster.gemm_eff))}
+            "attn": 0.5 * attn_flops / (peak * (cluster.attn_eff or cluster.gemm_eff))}
