@@ -4,8 +4,8 @@ torch's optimizers default to foreach kernels on CUDA only (``_default_to_fused_
 so a GPU run takes a path the CPU suite never takes. Under ep the parameters are plain tensors
 (or FSDP's DTensors on the dense mesh) and the experts' DTensors on the expert mesh; a foreach
 kernel over one list of both raises ("_foreach_mul_ got mixed torch.Tensor and DTensor"). Here
-every worker forces foreach (the fused AdamW, optim.py, leaves the SGD run to it), and ep=2 must still train to the single-process reference's
-parameters. The gradient norm of the clip (parallel/pipeline.py ``global_grad_norm``) takes
+every worker forces foreach (AdamW now steps fused, optim.py, over the same groups; SGD over
+DTensors keeps foreach), and ep=2 must still train to the single-process reference's parameters. The gradient norm of the clip (parallel/pipeline.py ``global_grad_norm``) takes
 ``_foreach_norm`` on CPU already (torch 2.13's ``clip_grad`` counts the CPU in its foreach
 default), one call per mesh."""
 

@@ -262,11 +262,6 @@ def test_init_from_fills_every_layout_with_the_file(tmp_path, token_dir, layout)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     c = tiny_config(token_dir, tmp_path / "run", f"checkpoint.init_from={tmp_path / 'hf'}",
                     "run.steps=1", "optim.name=sgd", "optim.lr=1e-9", "optim.warmup_steps=0", *layout)
-    from allhands.checkpoint import builds_on_meta
-    from allhands.models.resolve import resolve_model
-
-    # under FSDP no rank builds the whole model: it starts on the meta device
-    assert builds_on_meta(resolve_model(c), own_model=False) == ("parallel.zero=3" in layout)
     train_job(c, LaunchSpec(nproc=2))
     trained = checkpoint_weights(committed(tmp_path / "run" / "checkpoints")[-1][1])
     file = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -9,7 +9,7 @@ import importlib
 _WHERE = {"Cadence": "cadence", "FORMAT_VERSION": "catalog", "META_NAME": "catalog",
           "check_compatible": "catalog", "committed": "catalog", "Checkpointer": "checkpointer",
           "checkpoint_weights": "export", "export_weights": "export", "load_weights": "export",
-          "sharded_loader": "export", "builds_on_meta": "export",
+          "sharded_loader": "export",
           "ModelOptimState": "state", "RNGState": "state", "SchedulerState": "state", "TrainState": "state",
           "seed_rank": "state"}
 

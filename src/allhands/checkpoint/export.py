@@ -163,16 +163,6 @@ def sharded_loader(path: str | os.PathLike,
     return load
 
 
-def builds_on_meta(cfg, own_model: bool) -> bool:
-    """Whether a run builds its model on the meta device, so no rank ever holds all of it: it
-    starts from a transformers directory, which fills every parameter after the cut, under FSDP
-    (ZeRO-2/3) with all-reduce sync (DDP, DiLoCo and the others read real weights before then).
-    ``own_model``: the Python API was given a model (it may initialise more than the file holds)."""
-    p = cfg.parallel
-    return (not own_model and bool(cfg.checkpoint.init_from) and is_hf_dir(Path(cfg.checkpoint.init_from))
-            and p.zero >= 2 and p.sync == "allreduce")
-
-
 def check_init_from(path: str | os.PathLike) -> None:
     """Before any worker starts: a directory in ``checkpoint.init_from`` is one that
     :func:`load_weights` reads, a transformers directory or a committed checkpoint; anything else
