@@ -255,6 +255,35 @@ def test_a_killed_launchers_multiprocessing_directory_is_swept_a_live_one_is_not
         held.close()
 
 
+def test_a_forkserver_started_during_the_sweep_is_not_swept(tmp_path, monkeypatch):
+    """A forkserver that makes its directory and binds its socket while a sweep reads which
+    sockets are bound (another launcher's start, mid-sweep): its directory stays."""
+    import socket
+
+    from allhands import safefs
+
+    dead = tmp_path / "pymp-dead"
+    dead.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(dead / "listener-x"))
+    born, held = tmp_path / "pymp-born", socket.socket(socket.AF_UNIX)
+    snapshot = safefs._bound_unix_sockets
+
+    def then_one_starts():
+        bound = snapshot()
+        born.mkdir(mode=0o700)
+        held.bind(str(born / "listener-y"))
+        held.listen()
+        return bound
+
+    monkeypatch.setattr(safefs, "_bound_unix_sockets", then_one_starts)
+    try:
+        assert safefs.sweep_stale_pymp(tmp_path) == [dead]
+        assert (born / "listener-y").exists()
+    finally:
+        held.close()
+
+
 def test_a_live_directory_is_not_swept_from_another_network_namespace(tmp_path):
     """/proc/net/unix lists only this network namespace's sockets: a sweep from another one (a
     lab host's job sharing /tmp) still sees the live forkserver's socket bound here."""

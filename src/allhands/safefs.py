@@ -118,19 +118,29 @@ def sweep_stale_pymp(shared: Path) -> list[Path]:
     signal (and its forkserver, if that did not get to it: forkstart.py) left behind. A live one
     is never touched (its forkserver's socket is bound), nor an empty one (a process that just
     made it has yet to bind its socket there); nothing is connected to."""
-    bound, removed = _bound_unix_sockets(), []
-    if bound is None:
-        return removed
+    # The directories first, then the bound sockets: a forkserver that makes its directory and
+    # binds there after the listing is not a candidate, and one listed before the snapshot is in
+    # it if still bound (a socket's file appears when it is bound). The other order swept a
+    # forkserver started between the two reads (measured: a test worker's, mid-suite).
+    candidates = []
     for d in shared.glob("pymp-*"):
         try:
             if d.is_symlink() or d.stat().st_uid != os.geteuid():
                 continue
             entries = list(d.iterdir())
-            if entries and all(stat.S_ISSOCK(e.lstat().st_mode) and str(e) not in bound
-                               for e in entries):
+            if entries and all(stat.S_ISSOCK(e.lstat().st_mode) for e in entries):
+                candidates.append((d, entries))
+        except OSError:
+            continue
+    bound, removed = _bound_unix_sockets() if candidates else None, []
+    if bound is None:
+        return removed
+    for d, entries in candidates:
+        try:
+            if all(str(e) not in bound for e in entries):
                 for e in entries:
                     e.unlink()
-                d.rmdir()
+                d.rmdir()  # refused if anything appeared there meanwhile
                 removed.append(d)
         except OSError:
             continue
