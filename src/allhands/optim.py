@@ -58,15 +58,15 @@ def fusable(groups: list[dict], dtensors: bool = True) -> bool | None:
                                   for p in params) else None
 
 
-def skip_on_device(optimizer: torch.optim.Optimizer, bad: torch.Tensor | None) -> bool:
+def skip_on_device(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> bool:
     """Make ``optimizer``'s next ``step`` a no-op where ``bad`` (a 0-dim float tensor on the
     device) is 1, decided by its fused kernels without reading ``bad`` on the host (torch's
     ``found_inf``, as GradScaler drives it; the step count is put back too). False, and nothing
     set, where some group does not step fused (Muon; a group loaded from an older checkpoint):
-    the caller then decides on the host. ``bad=None`` clears it."""
+    the caller then decides on the host."""
     parts = getattr(optimizer, "optimizers", None) or [optimizer]
-    if bad is not None and not all(type(o) in (torch.optim.AdamW, torch.optim.SGD)
-                                   and all(g.get("fused") for g in o.param_groups) for o in parts):
+    if not all(type(o) in (torch.optim.AdamW, torch.optim.SGD)
+               and all(g.get("fused") for g in o.param_groups) for o in parts):
         return False
     for o in parts:
         o.found_inf, o.grad_scale = bad, None

@@ -181,9 +181,9 @@ class Trainer(RunCheckpoints):
         gnorm = self.layout.clip(self.cfg.optim.grad_clip)
         # No GradScaler: fp32 on CPU needs none and bf16 autocast keeps fp32's exponent range.
         # Every rank decides alike, with no collective where the gradients agree (agree.py).
-        logs = (step + 1) % self.cfg.log.interval == 0 or step + 1 == r.steps
         self.last_action = self.agree.update(loss_sum, gnorm, step + 1,
-                                             lambda bad: skip_on_device(self.optimizer, bad), read=logs)
+                                             lambda bad: skip_on_device(self.optimizer, bad),
+                                             read=self._logs(step + 1))
         self.ckpt.before_update()  # an async save's copy of the parameters overlapped up to here
         if self.last_action == "ok":
             self.optimizer.step()
@@ -194,6 +194,10 @@ class Trainer(RunCheckpoints):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, gnorm
+
+    def _logs(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) writes a record: every ``log.interval``th, and the last."""
+        return step % self.cfg.log.interval == 0 or step == self.cfg.run.steps
 
     def fit(self) -> dict[str, Any]:
         cfg, r, mesh = self.cfg, self.cfg.run, self.mesh
@@ -265,7 +269,7 @@ class Trainer(RunCheckpoints):
                         metrics.log({"step": ts.step, **compiled})
                 self.steplog.step_done(dt)
                 last = ts.step == r.steps
-                logged = ts.step % cfg.log.interval == 0 or last
+                logged = self._logs(ts.step)
                 if logged:
                     window = self.steplog.window_steps
                     result = self.steplog.gather(

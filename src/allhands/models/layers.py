@@ -144,19 +144,23 @@ def attention_path(device: torch.device | str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
-def document_block_mask(seg: torch.Tensor) -> BlockMask:
+def document_block_mask(seg: torch.Tensor, queries: torch.Tensor | None = None) -> BlockMask:
     """FlexAttention's block mask for document ids ``seg`` ``(B, T)``: query ``q`` may attend key
-    ``kv`` when ``kv <= q`` in the same document. Built once per batch and shared by every layer
-    and head (``H=None``); compiled on CUDA."""
+    ``kv`` when ``kv <= q`` in the same document. ``queries``: the global positions of the
+    queries when they are not all ``T`` in order (a context-parallel rank's chunks,
+    parallel/context.py); the keys are always the whole sequence in order. Built once per batch
+    and shared by every layer and head (``H=None``); compiled on CUDA."""
     B, T = seg.shape
 
     def causal_document(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (seg[b, q_idx] == seg[b, kv_idx])
+        at = q_idx if queries is None else queries[q_idx]
+        return (kv_idx <= at) & (seg[b, at] == seg[b, kv_idx])
 
+    n = T if queries is None else queries.numel()
     if not seg.is_cuda:
-        return create_block_mask(causal_document, B, None, T, T, device=seg.device)
+        return create_block_mask(causal_document, B, None, n, T, device=seg.device)
     compiled("flex_attention")  # made here, outside any compiled block (see compiled)
-    return compiled("create_block_mask")(causal_document, B, None, T, T, device=seg.device)
+    return compiled("create_block_mask")(causal_document, B, None, n, T, device=seg.device)
 
 
 def document_mask(idx: torch.Tensor, doc_token: int, dtype: torch.dtype = torch.float32,

@@ -34,11 +34,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 from torch.overrides import TorchFunctionMode
 
 from allhands.mesh import Mesh
-from allhands.models.layers import additive, attention_path, compiled, document_positions
+from allhands.models.layers import additive, attention_path, compiled, document_block_mask, document_positions
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -144,24 +144,6 @@ class _CausalBlocks(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _block_mask(mine: torch.Tensor, seg: torch.Tensor):
-    """FlexAttention's block mask of this rank's queries (global positions ``mine``) over the
-    whole sequence's keys in global order: key ``kv`` is seen by query ``q`` when it is not later
-    and in the same document (``seg`` ``(B, T)`` document ids). Built once per batch, shared by
-    every layer and head; compiled on CUDA. A query block of one chunk sees its prefix: the blocks
-    past it are skipped, so the kernel does the causal half of the work."""
-    B, T = seg.shape
-
-    def causal_document(b, h, q_idx, kv_idx):
-        at = mine[q_idx]
-        return (kv_idx <= at) & (seg[b, at] == seg[b, kv_idx])
-
-    make = compiled("create_block_mask") if seg.is_cuda else create_block_mask
-    if seg.is_cuda:
-        compiled("flex_attention")  # made here, outside any compiled block (models/layers.py)
-    return make(causal_document, B, None, mine.numel(), T, device=seg.device)
-
-
 class _GatheredAttention(TorchFunctionMode):
     def __init__(self, owner: "ContextParallel"):
         super().__init__()
@@ -196,13 +178,12 @@ class ContextParallel:
                *args, **kwargs) -> torch.Tensor:
         """Attention of this rank's queries ``q`` over the gathered ``k``, ``v`` (the ranks'
         parts in rank order), on the path :meth:`shard` chose for the batch."""
-        if self.block_mask is not None:  # CUDA: FlexAttention, keys in global order
+        if self.mask is None:  # both kernels take the keys in global order
             k, v = k[:, :, self.order], v[:, :, self.order]
-            flex = compiled("flex_attention") if q.is_cuda else flex_attention
-            return flex(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
-        if self.mask is None:  # plain causal on CPU: blockwise, with no mask at all
-            k, v = k[:, :, self.order], v[:, :, self.order]  # gathered order -> global order
-            return _CausalBlocks.apply(q, k, v, self.chunks)
+            if self.block_mask is not None:  # CUDA: FlexAttention
+                flex = compiled("flex_attention") if q.is_cuda else flex_attention
+                return flex(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+            return _CausalBlocks.apply(q, k, v, self.chunks)  # plain causal on CPU: no mask at all
         if self.mask.dtype != q.dtype:  # bf16 q under FSDP's mixed precision: cast once a forward
             self.mask = self.mask.to(q.dtype)
         kwargs["attn_mask"] = self.mask  # causal over global positions, inside each document
@@ -220,7 +201,9 @@ class ContextParallel:
         held = torch.cat([chunk_index(T, self.size, r) for r in range(self.size)]).to(x.device)
         self.order, self.block_mask = torch.argsort(held), None
         if (self.path or attention_path(x.device)) == "flex":
-            self.mask, self.block_mask = None, _block_mask(mine, seg)
+            # one block mask a batch: a query block of one chunk sees its prefix, the blocks past
+            # it are skipped, so the kernel does the causal half of the work
+            self.mask, self.block_mask = None, document_block_mask(seg, queries=mine)
             return x[:, mine], y[:, mine], {"positions": pos[:, mine]}
         if self.doc_token < 0 and x.device.type == "cpu":  # no mask needed: _CausalBlocks
             self.mask = None
