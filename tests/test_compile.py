@@ -1,8 +1,8 @@
 """run.compile: each block compiled in place (after TP and AC, before DDP/FSDP; each pipeline
 stage's own blocks) trains to the single-process eager reference's parameters and keeps the
 parameter names, under DDP, tp=2 and pp=2; the workers really compiled the blocks (rank 0's
-record of the first step counts the graphs, compiled or read from the inductor cache the tests
-share, whose generated code holds a block's forward and backward).
+record of the first step counts the graphs, compiled or read from the user's inductor cache,
+whose generated code holds a block's forward and backward).
 
 Parity tolerance 1e-5 relative, as for eager layouts: under plain SGD the update is linear in the
 gradient, so inductor's fused C++ kernels, which reorder float32 sums (layer norm, softmax, bias
@@ -13,29 +13,29 @@ entries, become lr-relative differences of up to 1e-4."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 from allhands.config import validate
+from allhands.env import cache_dir
 from allhands.launch.launcher import LaunchSpec, train_job
 
 from conftest import tiny_config
-from isolation import shared_once
 from test_parity import assert_matches_reference
 
 SGD = ["optim.name=sgd", "optim.lr=0.5", "run.steps=3"]
 
 
 @pytest.fixture
-def inductor_cache(tmp_path_factory, monkeypatch) -> Path:
-    """One inductor cache for every compile test of the run, as the launcher keeps one for a
-    user's jobs (it keeps a TORCHINDUCTOR_CACHE_DIR it is given): a job reads what an earlier one
-    compiled, which the record of the first step shows."""
-    cache = Path(shared_once(tmp_path_factory, "inductor", str))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    return cache
+def inductor_cache() -> Path:
+    """The inductor cache a user's jobs get: the launcher's default, in the user's cache
+    directory, which outlives every job and every test run (unless TORCHINDUCTOR_CACHE_DIR
+    names another). A job reads what an earlier one compiled, which the record of its first step
+    shows; a warm cache is what a user's second run and every restart meet."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "inductor")
 
 
 def _train_compiled(token_dir, tmp_path, cache: Path, *layout: str) -> tuple:
