@@ -23,8 +23,8 @@ setup: $(VENV)/.installed
 train: setup
 	$(VENV)/bin/allhands train
 
-# Two pytest-xdist workers: most of a test's time is spent starting processes (importing torch)
-# and waiting on timeouts, so two at once fill two cores. Tests that share a machine-wide
+# Three pytest-xdist workers on two cores (docs/testing.md): a test spends part of its time
+# waiting on a process's start or a timeout, and a third worker fills those gaps. Tests that share a machine-wide
 # resource hold its lock (tests/isolation.py); the `serial` ones time things, so they run alone
 # afterwards. tests/suite.py runs both parts whatever the first gives, then names every failure.
 # Bytecode is written where it is first imported, also where PYTHONDONTWRITEBYTECODE is set

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,6 +72,22 @@ def cli_env() -> dict:
 
 
 ALLHANDS = [sys.executable, "-m", "allhands.cli"]
+
+
+def cli(argv: list[str], capfd) -> subprocess.CompletedProcess:
+    """``allhands ARGV`` in this process, through the command's own entry (its parsing, its
+    one error line, its exit code), with what it and its workers wrote: for the tests whose
+    point is the command, not its process (a process of its own costs about 4 s of CPU to import
+    torch and the trainer again)."""
+    from allhands.cli import main
+
+    capfd.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
 
 # The network-lab job of test_node_loss and test_multinode_store: 8 steps, a checkpoint every 2,
 # node loss noticed in 3 s. One thread per worker on every side, so that an in-process reference

@@ -1,6 +1,6 @@
 """`make test`: the suite's two parts, both always run, then one summary of them.
 
-Part 1 runs every test not marked ``serial`` on two pytest-xdist workers; part 2 runs the
+Part 1 runs every test not marked ``serial`` on three pytest-xdist workers; part 2 runs the
 ``serial`` ones (they time things) alone. The summary at the end names every failed test of
 either part, every skipped one with its reason, and the slowest tests, and closes with one
 line of counts; the exit status is non-zero when either part failed.
@@ -16,7 +16,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-PARTS = [("parallel", ["-n", "2", "--dist", "worksteal", "-m", "not serial"]),
+PARTS = [("parallel", ["-n", "3", "--dist", "worksteal", "-m", "not serial"]),
          ("serial", ["-m", "serial"])]
 SLOWEST = 15
 

@@ -4,6 +4,7 @@ batches, both leave the same parameters after a few steps. Skipped without ``lig
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,10 @@ from allhands.launch.rundir import resolve_run
 
 from conftest import ROOT, tiny_config
 
-pytest.importorskip("lightning.fabric")
+# Looked up, not imported: importing Lightning costs 3 s of CPU in every pytest process that
+# collects this file, and only the workers below use it.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                reason="Lightning Fabric is not installed (the bench extra)")
 
 
 def _both_loops(cfg_dict: dict, out: str) -> None:

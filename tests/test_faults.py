@@ -24,7 +24,7 @@ from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.checkpoint.manifest import verify_manifest
 from allhands.job import Job, build_reference_model
 
-from conftest import ALLHANDS, ROOT, TINY, shared_once, tiny_config
+from conftest import TINY, cli, shared_once, tiny_config
 
 JOB = ("run.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=5", "fault.backoff_s=0.1")
 
@@ -90,12 +90,11 @@ def test_sigkill_mid_step_and_during_an_async_write_recover_to_the_undisturbed_p
     assert_same(weights(ref_cfg, run_dir / "checkpoints" / "step-00000006"), ref)
 
 
-def test_restart_limit_exceeded_stops_cleanly_with_one_line(token_dir, tmp_path, cli_env):
+def test_restart_limit_exceeded_stops_cleanly_with_one_line(token_dir, tmp_path, capfd):
     run_dir = tmp_path / "run"
     sets = [f"--set={s}" for s in (*TINY, *JOB, f"data.path={token_dir}", f"run.dir={run_dir}",
                                    "fault.inject=1:2:SIGKILL,0:4:SIGKILL")]
-    r = subprocess.run([*ALLHANDS, "train", "--nproc", "2", "--max-restarts", "1", *sets],
-                       capture_output=True, text=True, env=cli_env, timeout=240, cwd=ROOT)
+    r = cli(["train", "--nproc", "2", "--max-restarts", "1", *sets], capfd)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("allhands: error: worker rank 0"), r.stderr
@@ -284,11 +283,10 @@ def test_resume_at_another_world_size_sees_the_same_data_and_parameters(token_di
         assert_same(a, weights(cfg, cut / "checkpoints" / "step-00000006"), exact=False)
 
 
-def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path, cli_env):
+def test_drill_prints_a_table_and_the_final_parameters_match(token_dir, tmp_path, capfd):
     sets = [f"--set={s}" for s in (*TINY, "run.steps=5", "checkpoint.interval=2", "fault.backoff_s=0.1",
                                    f"data.path={token_dir}", f"run.dir={tmp_path / 'drill'}")]
-    r = subprocess.run([*ALLHANDS, "drill", "--nproc", "2", "--faults", "1", "--seed", "4", *sets],
-                       capture_output=True, text=True, env=cli_env, timeout=300, cwd=ROOT)
+    r = cli(["drill", "--nproc", "2", "--faults", "1", "--seed", "4", *sets], capfd)
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     spec = out[0].split("fault.inject=")[1]

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from allhands.job import Job, build_reference_model
 from allhands.launch.launcher import LaunchSpec, train_job
@@ -29,6 +28,7 @@ from allhands.parallel.pipeline import clip_grads, global_grad_norm
 from conftest import tiny_config
 from test_expert_parallel import MOE
 from test_parity import assert_matches_reference
+from test_step_cost import HostReads
 
 
 def _foreach_always(params, differentiable, use_fused=False):
@@ -109,19 +109,6 @@ def test_param_groups_hold_one_kind_of_tensor_each(token_dir, tmp_path, monkeypa
         dist.destroy_process_group()
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts the reads of a tensor's value on the host (``item``, ``float``, ``bool``: ATen's
-    ``_local_scalar_dense``), each a device-to-host sync on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("max_norm", [1.0, 100.0])
 def test_the_clip_of_mixed_meshes_stays_on_the_device(max_norm):
     """The clip of tp, pp and ep layouts (parallel/pipeline.py): the norm over plain tensors and
@@ -143,7 +130,7 @@ def test_the_clip_of_mixed_meshes_stays_on_the_device(max_norm):
         for p, v in zip(reference, values):
             p.grad = v.clone()
         want = torch.nn.utils.clip_grad_norm_(reference, max_norm)
-        with _HostReads() as seen:
+        with HostReads() as seen:
             norm = global_grad_norm(params)
             clip_grads(params, max_norm, norm)
         assert seen.reads == 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from allhands.errors import DataError
 from allhands.job import TokenMeanLoss, lm_loss
 from allhands.launch.launcher import LaunchSpec, train_job
 
-from conftest import ALLHANDS, ROOT, tiny_config
+from conftest import ROOT, cli, tiny_config
 from test_parity import assert_resume_bit_exact, max_rel_diff, reference_params, trained_params
 
 pytest.importorskip("tokenizers")
@@ -255,12 +254,10 @@ def test_bos_from_the_post_processor_unless_the_config_says(tmp_path):
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
     ({"prompt": "hi", "response": 3}, "field 'response' is a int, not text"),
 ])
-def test_a_malformed_row_is_one_line_naming_file_and_line(tok_dir, tmp_path, cli_env, row, message):
+def test_a_malformed_row_is_one_line_naming_file_and_line(tok_dir, tmp_path, capfd, row, message):
     good = {"prompt": "a", "response": "b"}
     src = write_jsonl(tmp_path / "rows.jsonl", [good, "", good, row, good])
-    p = subprocess.run([*ALLHANDS, "prepare", str(src), "--tokenizer", str(tok_dir),
-                        "--out", str(tmp_path / "out")], capture_output=True, text=True, env=cli_env,
-                       timeout=120)
+    p = cli(["prepare", src, "--tokenizer", tok_dir, "--out", tmp_path / "out"], capfd)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr

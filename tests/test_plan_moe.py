@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from allhands.plan.estimate import _bw
 from allhands.plan.experts import a2a_bytes
 from allhands.plan.search import layouts, with_layout
 
-from conftest import ALLHANDS
+from conftest import cli
 
 TINY = ["model.family=llama", "model.n_embd=32", "model.n_layer=3", "model.n_head=4", "model.n_kv_head=2",
         "model.ffn_hidden=48", "model.seq_len=16", "model.vocab_size=64", "moe.n_experts=4", "moe.top_k=2",
@@ -117,20 +116,18 @@ def test_layouts_try_every_valid_ep_and_a_dense_model_none():
     assert any(e.layout.ep == 4 and e.feasible for e in ranked)
 
 
-def test_cli_plans_mixtral_with_ep(cli_env):
-    args = [*ALLHANDS, "plan", "--set", "model.preset=mixtral-8x7b", "--set", "model.seq_len=4096",
+def test_cli_plans_mixtral_with_ep(capfd):
+    args = ["plan", "--set", "model.preset=mixtral-8x7b", "--set", "model.seq_len=4096",
             "--set", "run.global_batch=64", "--cluster", "h100:8,nodes=4"]
-    out = subprocess.run(args, capture_output=True, text=True, env=cli_env, timeout=120)
+    out = cli(args, capfd)
     assert out.returncode == 0, out.stderr
     assert "mixture of experts: 46.70B parameters, 12.88B active" in out.stdout.splitlines()[1]
-    rows = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True, env=cli_env,
-                                     timeout=120).stdout)["layouts"]
+    rows = json.loads(cli([*args, "--json"], capfd).stdout)["layouts"]
     ep = [r for r in rows if r["feasible"] and "parallel.ep=8" in r["set"]]
     assert ep and ep[0]["active_params"] == 12_879_925_248 and ep[0]["time"]["all_to_all"] > 0
 
 
-def test_cli_check_refuses_a_mixture_of_experts(cli_env):
-    out = subprocess.run([*ALLHANDS, "plan", "--check", "--set", "model.preset=mixtral-8x7b"],
-                         capture_output=True, text=True, env=cli_env, timeout=120)
+def test_cli_check_refuses_a_mixture_of_experts(capfd):
+    out = cli(["plan", "--check", "--set", "model.preset=mixtral-8x7b"], capfd)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith(
         "allhands: error: --check trains dense models' layouts")

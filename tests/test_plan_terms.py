@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -170,11 +169,10 @@ def test_the_plan_prints_an_interval_and_what_is_unverified():
     assert any(lay.schedule != "1f1b" for lay in (e.layout for e in out if e.layout.pp > 1))
 
 
-def test_cli_prints_the_range_and_the_unverified_note(cli_env):
-    from conftest import ALLHANDS
+def test_cli_prints_the_range_and_the_unverified_note(capfd):
+    from conftest import cli
 
-    out = subprocess.run([*ALLHANDS, "plan", "--cluster", "a100:2", "--top", "3", "--set", "run.global_batch=64"],
-                         env=cli_env, capture_output=True, text=True, timeout=120)
+    out = cli(["plan", "--cluster", "a100:2", "--top", "3", "--set", "run.global_batch=64"], capfd)
     assert out.returncode == 0, out.stderr
     assert "(range)" in out.stdout and "0.83-1.11" in out.stdout
     assert "verified only by reading" in out.stdout

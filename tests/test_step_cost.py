@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from allhands.heartbeat import WRITE_EVERY_S, Heartbeat, read_heartbeats
 from allhands.launch.launcher import LaunchSpec, launch
@@ -27,15 +29,29 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "send", "recv", "isend", "irecv")
 
 
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value on the host (``item``, ``float``, ``bool``: ATen's
+    ``_local_scalar_dense``), each a device-to-host sync on a GPU; ``on_read()`` is called for
+    each too."""
+
+    def __init__(self, on_read=lambda: None):
+        super().__init__()
+        self.reads, self.on_read = 0, on_read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+            self.on_read()
+        return func(*args, **(kwargs or {}))
+
+
 def _counting_worker(cfg_dict: dict, out: str, wrap: bool) -> None:
     """One rank: train with every torch.distributed collective wrapped (``wrap``; the pipeline's
     P2POp accepts only torch's own isend/irecv); write, per step, the collectives it issued, each
     tagged 'grad' when DDP's comm hook issued it, and the values read back to the host."""
     import traceback
 
-    import torch
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from allhands import agree
     from allhands.config import Config
@@ -65,11 +81,8 @@ def _counting_worker(cfg_dict: dict, out: str, wrap: bool) -> None:
         train_step = trainer.train_step
         reads: dict[int, int] = {}
 
-        class HostReads(TorchDispatchMode):  # item/float/bool of a tensor: a GPU's host sync
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._local_scalar_dense.default:
-                    reads[current[0]] = reads.get(current[0], 0) + 1
-                return func(*args, **(kwargs or {}))
+        def read() -> None:
+            reads[current[0]] = reads.get(current[0], 0) + 1
 
         tolist = torch.Tensor.tolist
 
@@ -83,7 +96,7 @@ def _counting_worker(cfg_dict: dict, out: str, wrap: bool) -> None:
         def numbered(step: int):
             current[0] = step + 1
             reads[step + 1] = 0
-            with HostReads():
+            with HostReads(read):
                 return train_step(step)
 
         trainer.train_step = numbered

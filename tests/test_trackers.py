@@ -22,7 +22,7 @@ from allhands.errors import ConfigError
 from allhands.launch.launcher import LaunchSpec, train_job
 from allhands.trackers import _CLASSES, selected, tracker_environment
 
-from conftest import ALLHANDS, shared_once, tiny_config
+from conftest import cli, shared_once, tiny_config
 from isolation import shared_root
 
 TRACKED = ["log.tensorboard=true", "log.trackers=tensorboard,mlflow,wandb", "run.eval_interval=2",
@@ -184,11 +184,10 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tracked, token_dir, tmp_p
     assert sorted(r["step"] for r in rows if "loss" in r) == [5, 6]
 
 
-def test_report_plots_become_artifacts(tracked, tmp_path, cli_env):
+def test_report_plots_become_artifacts(tracked, tmp_path, capfd):
     run = tmp_path / "run"
     shutil.copytree(tracked, run)
-    p = subprocess.run([*ALLHANDS, "report", str(run)], capture_output=True, text=True, env=cli_env,
-                       timeout=120)
+    p = cli(["report", run], capfd)
     assert p.returncode == 0, p.stderr
     pngs = sorted(p.name for p in (run / "report").glob("*.png"))
     # the report plotted this run (a loss curve, throughput, step times), so the comparisons
