@@ -48,8 +48,9 @@ def sets(**fields: object) -> list[str]:
 
 
 def steps(out: Path, ngpu: int, dry: bool) -> list[tuple[str, list[str]]]:
-    """Each step's name and its `allhands` arguments. ``dry``: CPU, one worker and toy shapes
-    in place of the GPU ones, every other setting as on the GPU."""
+    """Each step's name and its `allhands` arguments. ``dry``: CPU, one worker, toy shapes and
+    the compiled step through aot_eager in place of the GPU ones, every other setting as on
+    the GPU."""
     layers = int(os.environ.get("LLAMA_LAYERS", "4"))
     device = sets(run__device="cpu", run__precision="fp32") if dry else \
         sets(run__device="cuda", run__precision="bf16")
@@ -67,7 +68,10 @@ def steps(out: Path, ngpu: int, dry: bool) -> list[tuple[str, list[str]]]:
     return [
         ("default", ["train", *nproc, *device, *default, *sets(run__steps=n(40)), *small]),
         ("llama8b eager", ["train", *nproc, *device, *llama8b, *sets(run__compile="false")]),
-        ("llama8b compiled", ["train", *nproc, *device, *llama8b, *sets(run__compile="true")]),
+        ("llama8b compiled", ["train", *nproc, *device, *llama8b, *sets(run__compile="true"),
+                              # dry: the same graphs without C++ code generation (tens of seconds
+                              # on a CPU; tests/test_compile.py runs inductor on CPU)
+                              *(sets(run__compile_backend="aot_eager") if dry else [])]),
         ("packed", ["train", *nproc, *device, "--set", "model.preset=llama3.2-1b",
                     *sets(model__n_layer=4), *toy, *seq(4096), *fsdp,
                     *sets(data__packing="mask", run__global_batch=(2 if dry else 2 * ngpu),

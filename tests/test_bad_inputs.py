@@ -128,6 +128,8 @@ CLI = [
     (["train", "--nproc", "2", *T, "--set", "run.global_batch=7", "--set", f"run.dir={NEW}"], 2,
      "global_batch"),
     (["train", *T, "--set", "parallel.zero=5"], 2, "parallel.zero"),
+    (["train", *T, "--set", "run.compile_backend=tvm"], 2,
+     "run.compile_backend: 'tvm' is not allowed; allowed: inductor, aot_eager, eager"),
     (["train", *T, "--set", "log.progress_s=-1"], 2, "log.progress_s: -1.0 is not allowed; must be >= 0"),
     (["train", *T, "--set", "checkpoint.init_from={base}/w.safetensors"], 2, "checkpoint.init_from"),
     (["train", *T, "--set", "fault.mode=replica", "--set", "parallel.tp=2"], 2,

@@ -228,6 +228,9 @@ class FaultConfig:
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """The experiment trackers ``log.trackers`` may name (allhands/trackers.py)."""
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""The torch.compile backends ``run.compile_backend`` may name: the default and the two that tell
+a compile problem from a generated kernel's (torchtitan's ``compile.backend`` offers the same)."""
 
 
 @dataclass
@@ -267,6 +270,9 @@ class RunConfig:
                        "(its CPU affinity: Slurm's or taskset's) / workers on the node")
     compile: bool = _f(False, "torch.compile each transformer block (after tensor parallelism and activation "
                        "checkpointing, before FSDP/DDP; under pp each stage's blocks)")
+    compile_backend: str = _f("inductor", "run.compile's backend: inductor (generated kernels), or, to tell a "
+                              "compile problem from a kernel one, aot_eager (the same graphs through "
+                              "AOTAutograd, torch's own kernels, no code generated) or eager (dynamo only)")
 
 
 @dataclass

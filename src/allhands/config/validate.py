@@ -14,7 +14,7 @@ from allhands.config.check import check
 from allhands.config.layout_checks import check_parallel, check_sharding, check_tp_pp, mesh_sizes
 from allhands.config.moe import check_ep, validate_moe
 from allhands.config.mode_checks import SYNC_MODES, check_fault, check_replica, check_sync
-from allhands.config.tree import TRACKERS, Config
+from allhands.config.tree import COMPILE_BACKENDS, TRACKERS, Config
 from allhands.config.validate_model import validate_model
 from allhands.errors import ConfigError
 
@@ -72,6 +72,8 @@ def validate(cfg: Config, world_size: int | None = None, need_data: bool = True)
     check(r.eval_interval >= 0, "run.eval_interval", "must be >= 0", r.eval_interval)
     check(r.threads >= 0, "run.threads", "must be >= 0 (0 = cores / workers)", r.threads)
     check(r.device in ("auto", "cpu", "cuda"), "run.device", "allowed: auto, cpu, cuda", r.device)
+    check(r.compile_backend in COMPILE_BACKENDS, "run.compile_backend",
+          "allowed: " + ", ".join(COMPILE_BACKENDS), r.compile_backend)
     check(r.precision in ("auto", "fp32", "bf16"), "run.precision", "allowed: auto, fp32, bf16", r.precision)
     check(bool(r.name) and "/" not in r.name, "run.name", "must be non-empty and contain no '/'", r.name)
     if p.backend == "nccl" and r.device == "cpu":

@@ -242,7 +242,8 @@ def build_layout(cfg: Config, mesh: Mesh, model: nn.Module, strategy: SyncStrate
                           replicate=not strategy.reconciles_replicas,
                           sequence_parallel=p.tp_sequence_parallel, tp_plan=tp_plan,
                           loss_parallel=vocab_parallel, pipeline_stage=pipeline is not None,
-                          compile=cfg.run.compile, materialize=load)
+                          compile=cfg.run.compile,
+                          compile_backend=cfg.run.compile_backend, materialize=load)
         return strategy.wrap(out, mesh)
 
     wrapped = [cut(part) for part in parts]

@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                 bucket_mb: float = 25.0, replicate: bool = True, sequence_parallel: bool = True,
                 tp_plan: TPPlan | PlanFn | None = None, loss_parallel: bool = False,
-                pipeline_stage: bool = False, compile: bool = False,
+                pipeline_stage: bool = False, compile: bool = False, compile_backend: str = "inductor",
                 materialize: Callable[[nn.Module], Any] | None = None) -> nn.Module:
     """Apply every configured strategy to ``model`` (already on ``mesh.device``) in order and
     return the module the loop runs forward/backward on.
@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
     defaults to the model's ``tp_plan`` method); ``loss_parallel``: a shipped family's head hands
     the loss vocabulary-sharded logits. ``pipeline_stage``: ``model`` is one pipeline
     stage, replicated with composable ``replicate`` instead of DDP (see ddp.py). ``compile``:
-    ``torch.compile`` each block in place (run.compile). ``materialize(model)``: allocates and
+    ``torch.compile`` each block in place (run.compile) with ``compile_backend``. ``materialize(model)``: allocates and
     fills a model built on the meta device (or fills a real one in place) once it is cut: after
     FSDP has sharded it, so a rank allocates its shards only; before DDP, whose construction
     broadcasts rank 0's weights and keeps views of them.
@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero: int = 0, ac: str = "none"
             # In place (nn.Module.compile), so parameter FQNs and checkpoints do not change;
             # torchtitan compiles each block the same way, between AC and FSDP: a block's graph
             # then holds its checkpointed region and FSDP's hooks stay outside it.
-            block.compile()
+            block.compile(backend=compile_backend)
     if zero >= 2:
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or ())
         if mesh.size("ep") > 1:  # experts first: a unit of their own over edp
