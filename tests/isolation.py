@@ -13,6 +13,11 @@ the tests:
 - :func:`shared_once`: a fixture's result (a trained job that tests only read) is built by
   the first pytest worker that asks for it, under a lock, in a directory every worker of the
   run sees; the others wait and read it.
+
+And one rule: tests write only under temporary directories. The run gets a cache directory of
+its own (``ALLHANDS_CACHE_DIR``, inherited by the workers and every process a test starts, so
+the embedded corpus is prepared once per run and jobs share compiled kernels), and a run that
+leaves anything new in the checkout's root or in the user's own allhands cache fails, naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import fcntl
 import inspect
 import json
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -91,6 +97,38 @@ def shared_once(tmp_path_factory: pytest.TempPathFactory, key: str,
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "exclusive(name): holds the machine-wide lock NAME for the "
                             "whole test: no two tests of one group run at once (tests/isolation.py)")
+    if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
+        # allhands' per-user cache (the embedded corpus, the GEMM peak, inductor's kernels) is
+        # this run's own: the pytest-xdist workers and every process a test starts inherit it.
+        before = os.environ.get("ALLHANDS_CACHE_DIR")
+        config.stash[_USER_CACHE_KEY] = _tree(_user_cache())
+        run_cache = tempfile.mkdtemp(prefix="allhands-test-cache-")
+        os.environ["ALLHANDS_CACHE_DIR"] = run_cache
+
+        def restore() -> None:
+            shutil.rmtree(run_cache, ignore_errors=True)
+            if before is None:
+                os.environ.pop("ALLHANDS_CACHE_DIR", None)
+            else:
+                os.environ["ALLHANDS_CACHE_DIR"] = before
+
+        config.add_cleanup(restore)
+
+
+def _user_cache() -> Path:
+    """The user's own allhands cache, as allhands finds it without ALLHANDS_CACHE_DIR."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "allhands"
+
+
+def _tree(root: Path) -> dict[str, int]:
+    """Every path under ``root`` with its modification time (ns)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            p = Path(d) / name
+            with contextlib.suppress(OSError):
+                out[str(p.relative_to(root))] = p.lstat().st_mtime_ns
+    return out
 
 
 def _has_sign(obj: Any) -> bool:
@@ -145,7 +183,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Tests write only under their own temporary directories: anything new in the checkout's
-    root (a default ``runs/``) fails the run, named."""
+    root (a default ``runs/``), or anything written in the user's allhands cache, fails the run,
+    named."""
     before = session.config.stash.get(_ROOT_KEY, None)
     if before is None:
         return
@@ -154,6 +193,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\nERROR: the tests wrote into the checkout's root: {', '.join(new)}; a test must "
               f"write under its tmp_path")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    cache_before = session.config.stash.get(_USER_CACHE_KEY, None)
+    if cache_before is not None:
+        after = _tree(_user_cache())
+        changed = sorted(k for k in after.keys() | cache_before.keys() if after.get(k) != cache_before.get(k))
+        if changed:
+            print(f"\nERROR: the tests wrote into the user's cache {_user_cache()}: "
+                  f"{', '.join(changed[:5])}; a process a test starts must inherit ALLHANDS_CACHE_DIR")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 _ROOT_KEY = pytest.StashKey[set]()
+_USER_CACHE_KEY = pytest.StashKey[dict]()

@@ -1,8 +1,8 @@
 """run.compile: each block compiled in place (after TP and AC, before DDP/FSDP; each pipeline
 stage's own blocks) trains to the single-process eager reference's parameters and keeps the
 parameter names, under DDP, tp=2 and pp=2; the workers really compiled the blocks (rank 0's
-record of the first step counts the graphs, compiled or read from the user's inductor cache,
-whose generated code holds a block's forward and backward).
+record of the first step counts the graphs, compiled or read from the inductor cache the jobs
+share, whose generated code holds a block's forward and backward).
 
 Parity tolerance 1e-5 relative, as for eager layouts: under plain SGD the update is linear in the
 gradient, so inductor's fused C++ kernels, which reorder float32 sums (layer norm, softmax, bias
@@ -31,10 +31,10 @@ SGD = ["optim.name=sgd", "optim.lr=0.5", "run.steps=3"]
 
 @pytest.fixture
 def inductor_cache() -> Path:
-    """The inductor cache a user's jobs get: the launcher's default, in the user's cache
-    directory, which outlives every job and every test run (unless TORCHINDUCTOR_CACHE_DIR
-    names another). A job reads what an earlier one compiled, which the record of its first step
-    shows; a warm cache is what a user's second run and every restart meet."""
+    """The inductor cache a user's jobs get: the launcher's default in allhands' cache
+    directory (in the suite, the run's own: tests/isolation.py), which outlives every job. A job
+    reads what an earlier one compiled, which the record of its first step shows, as a user's
+    restart does."""
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "inductor")
 
 

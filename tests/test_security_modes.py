@@ -173,7 +173,7 @@ def test_replica_job_with_a_spare_under_forged_votes_joins_deaths_and_done(token
     the kill votes ahead in the new quorum and overwrites ``life/1``."""
     run = tmp_path / "run"
     job = Job(["2", *_sets(token_dir, run, "run.steps=20", "fault.mode=replica", "fault.spares=1",
-                            "fault.max_restarts=1", "fault.inject=1:8:SIGKILL,0:9:slow=8", "parallel.timeout_s=60",
+                            "fault.max_restarts=1", "fault.inject=1:8:SIGKILL,0:9:slow=40", "parallel.timeout_s=60",
                             "fault.quorum_timeout_s=0.5", "fault.min_groups=2")],
               cli_env, "quorum store")
     raw = job.store()
@@ -193,8 +193,9 @@ def test_replica_job_with_a_spare_under_forged_votes_joins_deaths_and_done(token
     # after the kill: a new quorum; vote its next steps ahead and overwrite the new holder. No
     # /proc sampling while waiting for it: on a loaded machine one sample outlasted the job's
     # last steps, and the store was gone before the strike. Group 0 is a straggler from step 9
-    # on (8 times its work per step: it changes no number), so the steps after the kill last
-    # long enough for the strike on a machine loaded by the rest of the suite.
+    # on (40 times its work per step, about 0.4 s here: it changes no number), so the steps after
+    # the kill last seconds, long enough for the strike on a machine loaded by the rest of the
+    # suite (at 8 times, 1.5 s in all, a strike once came after the job's end).
     _until(lambda: raw.check(["epoch"]) and raw.get("epoch")[_SEALED:] not in (b"", str(epoch).encode()), job,
            sample=False)
     later = int(raw.get("epoch")[_SEALED:])

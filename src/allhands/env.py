@@ -135,8 +135,9 @@ def worker_store_env() -> tuple[str, int, bool, int]:
 
 
 def cache_dir() -> Path:
-    """Per-user cache for measurements of this machine (the CPU GEMM peak): ``ALLHANDS_CACHE_DIR``,
-    else ``$XDG_CACHE_HOME/allhands``, else ``~/.cache/allhands``."""
+    """Per-user cache of what outlives a job (the CPU GEMM peak, the embedded corpus's shards,
+    inductor's compiled kernels): ``ALLHANDS_CACHE_DIR``, else ``$XDG_CACHE_HOME/allhands``, else
+    ``~/.cache/allhands``."""
     e = os.environ
     if e.get("ALLHANDS_CACHE_DIR"):
         return Path(e["ALLHANDS_CACHE_DIR"])

@@ -14,6 +14,7 @@ from pathlib import Path
 from allhands.checkpoint import committed
 from allhands.config import Config, load_config, to_toml, validate
 from allhands.data import prepare_embedded
+from allhands.env import cache_dir
 from allhands.errors import AllhandsError, ConfigError, cannot_write
 from allhands.jobcheck import check_token_data
 from allhands.models.resolve import check_tokenizer, resolve_model
@@ -85,7 +86,7 @@ def with_data(cfg: Config) -> Config:
     """``cfg`` with ``data.path`` set to the embedded corpus (prepared once per machine) when
     it names no data."""
     if not (cfg.data.path or cfg.data.mix):
-        cfg.data.path = str(prepare_embedded(_cache_dir() / "embedded-corpus-v1"))
+        cfg.data.path = str(prepare_embedded(cache_dir() / "embedded-corpus-v1"))
     return cfg
 
 
@@ -152,7 +153,3 @@ def _same_job(run_dir: Path, cfg: Config) -> bool:
             d[sec].pop(name, None)
     return saved == now
 
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "allhands"
