@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from allhands.env import cache_dir
+
 # Taken now, before a launcher in this process points tempfile at a private directory.
 LOCK_DIR = Path(tempfile.gettempdir()) / f"allhands-test-locks-{os.geteuid()}"
 # What a test that needs the netlab group builds: any of these in its source or its fixtures'.
@@ -101,7 +103,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # allhands' per-user cache (the embedded corpus, the GEMM peak, inductor's kernels) is
         # this run's own: the pytest-xdist workers and every process a test starts inherit it.
         before = os.environ.get("ALLHANDS_CACHE_DIR")
-        config.stash[_USER_CACHE_KEY] = _tree(_user_cache())
+        user = cache_dir()  # the user's own, as allhands finds it outside the tests
+        config.stash[_USER_CACHE_KEY] = (user, _tree(user))
         run_cache = tempfile.mkdtemp(prefix="allhands-test-cache-")
         os.environ["ALLHANDS_CACHE_DIR"] = run_cache
 
@@ -113,11 +116,6 @@ def pytest_configure(config: pytest.Config) -> None:
                 os.environ["ALLHANDS_CACHE_DIR"] = before
 
         config.add_cleanup(restore)
-
-
-def _user_cache() -> Path:
-    """The user's own allhands cache, as allhands finds it without ALLHANDS_CACHE_DIR."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "allhands"
 
 
 def _tree(root: Path) -> dict[str, int]:
@@ -193,15 +191,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\nERROR: the tests wrote into the checkout's root: {', '.join(new)}; a test must "
               f"write under its tmp_path")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    cache_before = session.config.stash.get(_USER_CACHE_KEY, None)
-    if cache_before is not None:
-        after = _tree(_user_cache())
+    user, cache_before = session.config.stash.get(_USER_CACHE_KEY, (None, None))
+    if user is not None:
+        after = _tree(user)
         changed = sorted(k for k in after.keys() | cache_before.keys() if after.get(k) != cache_before.get(k))
         if changed:
-            print(f"\nERROR: the tests wrote into the user's cache {_user_cache()}: "
+            print(f"\nERROR: the tests wrote into the user's cache {user}: "
                   f"{', '.join(changed[:5])}; a process a test starts must inherit ALLHANDS_CACHE_DIR")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 _ROOT_KEY = pytest.StashKey[set]()
-_USER_CACHE_KEY = pytest.StashKey[dict]()
+_USER_CACHE_KEY = pytest.StashKey[tuple]()

@@ -19,7 +19,7 @@ from allhands.config import Config
 from allhands.errors import AllhandsError, ConfigError
 from allhands.launch.elastic import describe_failures
 
-from conftest import ALLHANDS, ROOT, tiny_config
+from conftest import ALLHANDS, ROOT, cli, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +68,6 @@ def read_only(tmp_path_factory, finished):
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=False, timeout=60)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 SUBCOMMANDS = ("train", "drill", "launch", "rendezvous-store", "config", "show", "prepare", "export", "plan",
@@ -195,7 +186,8 @@ def test_cli_bad_input_is_one_line(argv, code, says, places, finished, capsys, r
         fill["ro"] = request.getfixturevalue("read_only")
     argv = [a.format(**fill) for a in argv]
     before = set(Path.cwd().iterdir())
-    got, err = run_cli(argv, capsys)
+    r = cli(argv, capsys)
+    got, err = r.returncode, r.stderr
     lines = [line for line in err.splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
     assert got == code, err
@@ -277,7 +269,8 @@ def test_python_api_bad_input_is_one_line(kw, extra, says, tmp_path):
 
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(finished, capsys):
     files = {p: p.stat().st_mtime_ns for p in finished.rglob("*")}
-    code, err = run_cli(["train", "--resume", str(finished)], capsys)
+    r = cli(["train", "--resume", str(finished)], capsys)
+    code, err = r.returncode, r.stderr
     assert code == 0
     assert err.strip() == (f"allhands: {finished} is complete at step 2 (run.steps=2); nothing to "
                            f"do. To train further: allhands train --resume {finished} --set "

@@ -163,6 +163,13 @@ def document_block_mask(seg: torch.Tensor, queries: torch.Tensor | None = None) 
     return compiled("create_block_mask")(causal_document, B, None, n, T, device=seg.device)
 
 
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """FlexAttention of ``q`` over ``k``, ``v`` under ``block_mask``, grouped-query heads inside
+    the kernel: the compiled kernel on CUDA, the eager one (forward only) elsewhere."""
+    flex = compiled("flex_attention") if q.is_cuda else flex_attention
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def document_mask(idx: torch.Tensor, doc_token: int, dtype: torch.dtype = torch.float32,
                   path: str | None = None) -> tuple[torch.Tensor, torch.Tensor | BlockMask]:
     """Positions ``(B, T)`` that restart at each document of a packed row, and the mask that keeps
@@ -213,8 +220,7 @@ class Attention(nn.Module):
         # never materialises the repeated heads. FlexAttention broadcasts the same way.
         gqa = q.shape[1] != k.shape[1]
         if isinstance(mask, BlockMask):
-            flex = compiled("flex_attention") if q.is_cuda else flex_attention
-            y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+            y = flex_attend(q, k, v, mask)
         else:
             if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
                 # an additive mask must match q (e.g. a float32 mask under bf16 autocast);

@@ -34,11 +34,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
 from torch.overrides import TorchFunctionMode
 
 from allhands.mesh import Mesh
-from allhands.models.layers import additive, attention_path, compiled, document_block_mask, document_positions
+from allhands.models.layers import additive, attention_path, document_block_mask, document_positions, flex_attend
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -181,8 +180,7 @@ class ContextParallel:
         if self.mask is None:  # both kernels take the keys in global order
             k, v = k[:, :, self.order], v[:, :, self.order]
             if self.block_mask is not None:  # CUDA: FlexAttention
-                flex = compiled("flex_attention") if q.is_cuda else flex_attention
-                return flex(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+                return flex_attend(q, k, v, self.block_mask)
             return _CausalBlocks.apply(q, k, v, self.chunks)  # plain causal on CPU: no mask at all
         if self.mask.dtype != q.dtype:  # bf16 q under FSDP's mixed precision: cast once a forward
             self.mask = self.mask.to(q.dtype)
