@@ -15,7 +15,11 @@ from allhands.data.shards import embedded_text
 from allhands.launch.launcher import LaunchSpec, train_job
 
 import isolation
+import zygote
 from isolation import shared_once
+
+# `python -m allhands.cli ...` children forked from a server that imported torch once (zygote.py)
+zygote.install()
 
 # The isolation plugin's hooks and fixture (tests/isolation.py), registered as this conftest's.
 pytest_configure = isolation.pytest_configure
