@@ -78,8 +78,14 @@ base_threads = 1
 
 
 def _umask() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    """This process's umask, read without setting it where Linux shows it."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o077)
+        os.umask(mask)
+        return mask
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -101,6 +107,7 @@ class _Server:
         self.environ = dict(os.environ)  # the environment it starts with: the session's
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
+        self.owner = 0  # the process that started it: only that one stops it (not a fork of it)
         self.path = ""
         self.failed = ""
 
@@ -112,6 +119,7 @@ class _Server:
         self.proc = _RealPopen([sys.executable, "-c", code, __file__, self.path], stdin=subprocess.DEVNULL,
                                stdout=log, stderr=log, env=self.environ, cwd=tmp)
         log.close()
+        self.owner = os.getpid()
         atexit.register(self._stop, tmp)
         deadline = time.monotonic() + 120
         while not os.path.exists(self.path):
@@ -121,6 +129,8 @@ class _Server:
             time.sleep(0.02)
 
     def _stop(self, tmp: str) -> None:
+        if os.getpid() != self.owner:  # a fork of the test's process exiting: not its server
+            return
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
