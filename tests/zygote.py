@@ -37,6 +37,8 @@ import threading
 import time
 from pathlib import Path
 
+from allhands.launch.forkstart import _umask  # read without setting it, where Linux shows it
+
 _RealPopen = subprocess.Popen
 COMMAND = [sys.executable, "-m", "allhands.cli"]
 
@@ -75,17 +77,6 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal
            signal.SIGQUIT, signal.SIGALRM, signal.SIGPIPE, signal.SIGXFSZ)
 _HEAD = struct.Struct("q")
 base_threads = 1
-
-
-def _umask() -> int:
-    """This process's umask, read without setting it where Linux shows it."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration):
-        mask = os.umask(0o077)
-        os.umask(mask)
-        return mask
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
