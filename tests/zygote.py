@@ -182,7 +182,8 @@ SERVER = _Server()
 
 
 class Popen(_RealPopen):
-    """``subprocess.Popen``, whose ``python -m allhands.cli`` children are forks of the server."""
+    """``subprocess.Popen``, whose ``python -m allhands.cli`` and ``python SCRIPT.py`` children are
+    forks of the server (where :meth:`_Server.routable` says a fork is the same process)."""
 
     def __init__(self, args, *more, **kwargs):
         self._zconn = None
