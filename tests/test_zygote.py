@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -86,51 +85,6 @@ def test_a_forked_command_is_a_real_process_in_its_own_session(cli_env, tmp_path
         assert p.returncode == 0 and "rendezvous store stopped" in out, (p.returncode, out)
 
 
-@pytest.fixture
-def bare_netns():
-    """A network namespace with nothing but its loopback, up (no lab: no link, no address)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to make a network namespace")
-    name = f"zygote-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=30)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True,
-                       timeout=30)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-
-
-@pytest.mark.exclusive("netlab")  # a namespace of its own, but the suite's rule: one at a time
-def test_a_command_behind_ip_netns_exec_is_in_that_network(cli_env, bare_netns):
-    """``ip netns exec NAME python -m allhands.cli ...``: the fork joins the namespace's network
-    and sees a /sys of that network, as the process ip execs does."""
-    args = ["ip", "netns", "exec", bare_netns, *ALLHANDS, "rendezvous-store", "--bind", "127.0.0.1",
-            "--port", "0"]
-    assert zygote.what_runs(args)[4] == bare_netns and zygote.SERVER.routable(args, {"env": cli_env})
-    procs = [subprocess.Popen(args, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True),
-             zygote._RealPopen(args, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)]
-    try:
-        assert parent_of(procs[0].pid) == zygote.SERVER.proc.pid
-        netns = os.stat(f"/run/netns/{bare_netns}").st_ino
-        for p in procs:
-            lines = []  # torch may warn first (no DNS in there)
-            while not (lines and lines[-1].startswith("allhands: listening on")) and len(lines) < 5:
-                lines.append(p.stdout.readline())
-            assert lines[-1].startswith("allhands: listening on 127.0.0.1:"), lines
-            assert os.stat(f"/proc/{p.pid}/ns/net").st_ino == netns
-            assert os.listdir(f"/proc/{p.pid}/root/sys/class/net") == ["lo"]
-        assert sorted(os.listdir("/sys/class/net")) != ["lo"]  # the test's own namespace is untouched
-    finally:
-        for p in procs:
-            p.terminate()
-        codes = [p.wait(60) for p in procs]
-    assert codes[0] == codes[1] == 0
-
-
-@pytest.mark.exclusive("netlab")  # names a namespace (nothing is built): the suite's rule reads the source
 def test_what_a_fork_cannot_reproduce_starts_a_new_interpreter(tmp_path):
     server = zygote.SERVER
     assert server.routable([*ALLHANDS, "--help"], {})
@@ -140,7 +94,5 @@ def test_what_a_fork_cannot_reproduce_starts_a_new_interpreter(tmp_path):
     assert not server.routable([*ALLHANDS, "--help"], {"env": {**os.environ, "LD_PRELOAD": "x.so"}})
     # the chaos checker finds a job's processes by this tag in /proc/PID/environ
     assert not server.routable([*ALLHANDS, "--help"], {"env": {**os.environ, "ALLHANDS_CHAOS_TAG": "t"}})
-    # a script in a network namespace (see zygote.what_runs)
-    assert not server.routable(["ip", "netns", "exec", "ns", sys.executable, SCRIPT], {})
     (tmp_path / "sitecustomize.py").write_text("")
     assert not server.routable([*ALLHANDS, "--help"], {"cwd": tmp_path})

@@ -6,8 +6,7 @@ Each pytest process that starts such a command gets one server (started at its f
 command is still a process of its own, started as the test asked: its arguments, environment,
 working directory, standard streams (the test's pipes or files, passed over a Unix socket),
 umask, new session or not, ignored signals; it runs the command's module as ``python -m`` does (or
-a script, ``python [-u] PATH.py``, as the interpreter runs one; the command behind ``ip netns
-exec NAME`` first does what ip does) and
+a script, ``python [-u] PATH.py``, as the interpreter runs one) and
 exits as the interpreter would (threads joined, ``atexit`` handlers, streams flushed, the same
 exit codes, killed by SIGINT after an uncaught KeyboardInterrupt). Its pid is real: the test
 signals it, reads its /proc entry and its children as before. What differs is its parent: the
@@ -44,55 +43,20 @@ _RealPopen = subprocess.Popen
 COMMAND = [sys.executable, "-m", "allhands.cli"]
 
 
-def what_runs(args) -> tuple[str, str, bool, list[str], str] | None:
-    """(kind, target, unbuffered, arguments, network namespace): ("module", "allhands.cli", ...)
-    for ``python [-u] -m allhands.cli ...``, also behind ``ip netns exec NAME`` (a namespace
-    without /etc/netns/NAME files to bind); ("script", PATH, ...) for ``python [-u] PATH.py ...``
-    outside any namespace; None for anything else. (A script behind ``ip netns exec`` starts a new
-    interpreter: the lab's attacker scripts are timed against a job's start, tests/test_security_lab.py.)"""
-    if not isinstance(args, (list, tuple)) or not args:
+def what_runs(args) -> tuple[str, str, bool, list[str]] | None:
+    """("module", "allhands.cli", unbuffered, its arguments) for ``python [-u] -m allhands.cli
+    ...``, ("script", path, unbuffered, its arguments) for ``python [-u] PATH.py ...``; None for
+    anything else."""
+    if not isinstance(args, (list, tuple)) or not args or os.fspath(args[0]) != sys.executable:
         return None
-    rest = [os.fspath(a) for a in args]
-    netns = ""
-    if rest[:3] == ["ip", "netns", "exec"] and len(rest) > 4:
-        netns, rest = rest[3], rest[4:]
-        if "/" in netns or not os.path.exists(f"/run/netns/{netns}") or os.path.exists(f"/etc/netns/{netns}"):
-            return None
-    if rest[0] != sys.executable:
-        return None
-    rest = rest[1:]
+    rest = [os.fspath(a) for a in args[1:]]
     unbuffered = bool(rest) and rest[0] == "-u"
     rest = rest[unbuffered:]
     if rest[:2] == COMMAND[1:]:
-        return "module", rest[1], unbuffered, rest[2:], netns
-    if rest and rest[0].endswith(".py") and not rest[0].startswith("-") and not netns:
-        return "script", rest[0], unbuffered, rest[1:], netns
+        return "module", rest[1], unbuffered, rest[2:]
+    if rest and rest[0].endswith(".py") and not rest[0].startswith("-"):
+        return "script", rest[0], unbuffered, rest[1:]
     return None
-
-
-def _enter_netns(name: str) -> None:
-    """What ``ip netns exec NAME`` does before it execs (iproute2's netns_switch): join the
-    namespace's network, in a mount namespace of its own whose /sys shows that network."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(ret: int, what: str) -> None:
-        if ret != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        check(libc.setns(fd, 0x40000000), "setns(CLONE_NEWNET)")
-    finally:
-        os.close(fd)
-    check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
-    check(libc.mount(b"", b"/", b"none", (1 << 19) | 16384, None), "mount / MS_SLAVE|MS_REC")
-    read_only = os.statvfs("/sys").f_flag & os.ST_RDONLY
-    check(libc.umount2(b"/sys", 2), "umount2(/sys, MNT_DETACH)")
-    check(libc.mount(name.encode(), b"/sys", b"sysfs", 1 if read_only else 0, None), "mount sysfs on /sys")
-
-
 # Modules the server imports: torch, the command and what its workers' server preloads.
 PRELOAD = ["torch", "torch.distributed", "allhands.cli", "allhands.cli.jobs", "allhands.cli.data",
            "allhands.cli.inspect", "allhands.launch.forkstart"]
@@ -250,7 +214,7 @@ class Popen(_RealPopen):
             if len(reply) != _HEAD.size:
                 raise OSError("the test zygote closed the connection")
             pid = _HEAD.unpack(reply)[0]
-            if pid < 0:  # the child could not enter its namespace or working directory
+            if pid < 0:  # the child could not enter its working directory, as Popen raises it
                 errno, _, text = conn.recv(4096).decode().partition(":")
                 raise OSError(int(errno), text, request["cwd"])
         except OSError:
@@ -408,8 +372,6 @@ def _child(request: dict, fds: list[int], base: list[str], ready: int) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         try:
-            if request["run"][4]:
-                _enter_netns(request["run"][4])
             os.chdir(request["cwd"])
         except OSError as e:
             os.write(ready, f"{e.errno}:{e.strerror}".encode())
@@ -430,7 +392,7 @@ def _child(request: dict, fds: list[int], base: list[str], ready: int) -> None:
         import torch
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else base_threads)
         multiprocessing.process.current_process().authkey = os.urandom(32)
-        kind, target, unbuffered, argv, _ = request["run"]
+        kind, target, unbuffered, argv = request["run"]
         unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
         if kind == "script":  # as the interpreter does: the script's own directory first
             sys.path[0] = os.path.dirname(os.path.realpath(target))
