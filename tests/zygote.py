@@ -1,24 +1,25 @@
-"""``python -m allhands.cli ...`` (and ``python script.py ...``) processes started by forking a server that imported torch and
-allhands once, instead of a new interpreter importing them again (about 2.5 s of CPU a job:
-torch in the command, the trainer's modules in its workers' server).
+"""``python -m allhands.cli ...`` and ``python script.py ...`` processes started by forking a
+server that imported torch and allhands once, instead of a new interpreter importing them again
+(about 2.5 s of CPU a job: torch in the command, the trainer's modules in its workers' server).
 
 Each pytest process that starts such a command gets one server (started at its first). Every
 command is still a process of its own, started as the test asked: its arguments, environment,
 working directory, standard streams (the test's pipes or files, passed over a Unix socket),
 umask, new session or not, ignored signals; it runs the command's module as ``python -m`` does (or
-a script, ``python [-u] PATH.py``, as the interpreter runs one) and
-exits as the interpreter would (threads joined, ``atexit`` handlers, streams flushed, the same
-exit codes, killed by SIGINT after an uncaught KeyboardInterrupt). Its pid is real: the test
-signals it, reads its /proc entry and its children as before. What differs is its parent: the
-server, which reaps it and sends its wait status to the test's ``Popen``.
+a script, ``python [-u] PATH.py``, as the interpreter runs one) and exits as the interpreter
+would (threads joined, ``atexit`` handlers, streams flushed, the same exit codes, killed by
+SIGINT after an uncaught KeyboardInterrupt). Its pid is real: the test signals it, reads its
+/proc entry and its children as before. What differs is its parent: the server, which reaps it
+and sends its wait status to the test's ``Popen``.
 
 Only what a forked interpreter cannot reproduce falls back to a real ``Popen``: a different
 interpreter, a shell, ``preexec_fn`` and other pre-exec options, a variable read when an
 interpreter or a library starts (``PYTHON*``, ``LD_*``, ``OMP_*``, ``MALLOC_*``, ``TORCH*``, ...)
 that differs from the server's, a ``PYTHONPATH`` entry or working directory holding a
 ``sitecustomize`` module, a variable others read from the process's /proc/PID/environ (which
-shows the environment a process was exec'd with: a fork's is the server's). Installed by conftest.py (``install``); ``ALLHANDS_TEST_ZYGOTE=0`` turns
-it off (every command a new interpreter, as before).
+shows the environment a process was exec'd with: a fork's is the server's). Installed by
+conftest.py (``install``); ``ALLHANDS_TEST_ZYGOTE=0`` turns it off (every command a new
+interpreter, as before).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from allhands.launch.forkstart import PRELOAD as SERVER_PRELOAD
 from allhands.launch.forkstart import _umask  # read without setting it, where Linux shows it
 
 _RealPopen = subprocess.Popen
@@ -57,6 +59,8 @@ def what_runs(args) -> tuple[str, str, bool, list[str]] | None:
     if rest and rest[0].endswith(".py") and not rest[0].startswith("-"):
         return "script", rest[0], unbuffered, rest[1:]
     return None
+
+
 # Modules the server imports: torch, the command and what its workers' server preloads.
 PRELOAD = ["torch", "torch.distributed", "allhands.cli", "allhands.cli.jobs", "allhands.cli.data",
            "allhands.cli.inspect", "allhands.launch.forkstart"]
@@ -263,10 +267,7 @@ def serve(path: str) -> None:
     process that started this one is gone."""
     import importlib
 
-    for name in PRELOAD:
-        importlib.import_module(name)
-    from allhands.launch.forkstart import PRELOAD as servers
-    for name in servers:
+    for name in (*PRELOAD, *SERVER_PRELOAD):
         importlib.import_module(name)
     parent = os.getppid()
     base = list(sys.path[1:])  # the interpreter's path after sys.path[0] (no PYTHONPATH here)
@@ -428,9 +429,8 @@ def _child(request: dict, fds: list[int], base: list[str], ready: int) -> None:
         except BaseException as e:
             _print_uncaught(e, kind)
             code = 1
-        threading._shutdown()
-        import atexit as _atexit
-        _atexit._run_exitfuncs()
+        threading._shutdown()  # as the interpreter ends: threads joined, then atexit handlers
+        atexit._run_exitfuncs()
     except BaseException:
         try:
             traceback.print_exc()
